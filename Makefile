@@ -1,0 +1,29 @@
+# One entry point for people and CI. `make test` creates or reuses .venv, installs, and runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast lint clean
+
+$(STAMP): setup.py requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch (on these machines it comes from a local file); GPU users get CUDA builds via requirements.txt.
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+lint: $(STAMP)
+	$(PY) -m ruff check template neurons tests benchmarks scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,63 @@
+"""One typed config tree with the bittensor-style flags subnet operators already type in their pm2 scripts.
+
+Flags are dotted (``--wallet.name``, ``--subtensor.network``, ``--netuid``) and map one-to-one onto dataclass fields.
+Bittensor 11's environment variables (``BT_NETWORK``, ``BT_WALLET``, ``BT_WALLET_HOTKEY``, ``BT_WALLET_PATH``) give
+the defaults, so ``btcli`` and the neurons can share one setup; an explicit flag always wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from template.chain.client import NETWORK_HELP
+
+DEFAULT_WALLET_PATH = "~/.bittensor/wallets"
+
+
+@dataclass(frozen=True)
+class WalletConfig:
+    name: str = "default"
+    hotkey: str = "default"
+    path: str = DEFAULT_WALLET_PATH
+
+
+@dataclass(frozen=True)
+class SubtensorConfig:
+    network: str = "finney"
+
+
+@dataclass(frozen=True)
+class ChainArgs:
+    """What every neuron and script needs to find its chain, subnet and keys."""
+
+    netuid: int
+    wallet: WalletConfig
+    subtensor: SubtensorConfig
+
+
+def add_chain_args(parser: argparse.ArgumentParser, *, require_netuid: bool = True) -> None:
+    """Add --netuid, --wallet.*, --subtensor.network (defaults from BT_* environment variables)."""
+    env = os.environ
+    parser.add_argument("--netuid", type=int, required=require_netuid, help="subnet uid to work on")
+    group = parser.add_argument_group("wallet")
+    group.add_argument("--wallet.name", dest="wallet_name", default=env.get("BT_WALLET", WalletConfig.name),
+                       help="coldkey wallet name (env BT_WALLET; default %(default)s)")
+    group.add_argument("--wallet.hotkey", dest="wallet_hotkey", default=env.get("BT_WALLET_HOTKEY", WalletConfig.hotkey),
+                       help="hotkey name inside the wallet (env BT_WALLET_HOTKEY; default %(default)s)")
+    group.add_argument("--wallet.path", dest="wallet_path", default=env.get("BT_WALLET_PATH", DEFAULT_WALLET_PATH),
+                       help="directory holding wallets (env BT_WALLET_PATH; default %(default)s)")
+    chain = parser.add_argument_group("subtensor")
+    chain.add_argument("--subtensor.network", dest="subtensor_network", default=env.get("BT_NETWORK", SubtensorConfig.network),
+                       help=f"chain to use: {NETWORK_HELP} (env BT_NETWORK; default %(default)s)")
+
+
+def chain_args_from(namespace: argparse.Namespace) -> ChainArgs:
+    if namespace.netuid is not None and namespace.netuid < 0:
+        raise SystemExit(f"--netuid must be >= 0, got {namespace.netuid}")
+    return ChainArgs(
+        netuid=namespace.netuid,
+        wallet=WalletConfig(namespace.wallet_name, namespace.wallet_hotkey, namespace.wallet_path),
+        subtensor=SubtensorConfig(namespace.subtensor_network),
+    )
