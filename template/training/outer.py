@@ -1,0 +1,114 @@
+"""The outer loop of DiLoCo: the global parameters θ_r and their Nesterov-momentum SGD step.
+
+θ_r and the momentum buffer live on the CPU in float32, so they cost no accelerator memory and every
+peer runs the same CPU arithmetic: given the same averaged pseudo-gradient Δ̄, two peers that held the
+same θ_r and momentum compute bit-identical θ_{r+1} (``theta_hash`` proves it between machines).
+
+Failure behaviour: ``step`` checks Δ̄ (count, shapes, finiteness) before touching anything and raises
+``ValueError`` on a mismatch, leaving θ_r and the momentum unchanged; ``load_state_dict`` validates
+the whole state before copying any of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """DiLoCo paper defaults: lr 0.7, Nesterov momentum 0.9."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if self.nesterov and self.momentum <= 0:
+            raise ValueError("Nesterov needs momentum > 0; pass nesterov=False for plain SGD")
+
+
+class OuterOptimizer:
+    """Holds θ_r as CPU float32 tensors in ``model.parameters()`` order, with ``torch.optim.SGD`` over them."""
+
+    def __init__(self, model: torch.nn.Module, config: OuterConfig) -> None:
+        self.config = config
+        self._theta = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
+        self._sgd = torch.optim.SGD(
+            self._theta, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov, foreach=False
+        )
+
+    def params(self) -> list[torch.Tensor]:
+        """θ_r itself (not a copy): read it, do not write it."""
+        return self._theta
+
+    @torch.no_grad()
+    def pseudo_gradient(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """Δ = θ_r − θ_local, CPU float32, one tensor per parameter in ``model.parameters()`` order."""
+        local = list(model.parameters())
+        self._check_shapes(local, "model parameters")
+        return [theta - p.detach().to("cpu", torch.float32) for theta, p in zip(self._theta, local, strict=True)]
+
+    @torch.no_grad()
+    def step(self, averaged_delta: list[torch.Tensor]) -> None:
+        """θ_{r+1} = SGD(θ_r, grad=Δ̄): with lr 1 and no momentum this is exactly θ_r − Δ̄."""
+        self._check_shapes(averaged_delta, "averaged delta")
+        for i, delta in enumerate(averaged_delta):
+            if not bool(torch.isfinite(delta).all()):
+                raise ValueError(f"averaged delta {i} has non-finite values; outer step refused")
+        for theta, delta in zip(self._theta, averaged_delta, strict=True):
+            theta.grad = delta.detach().to("cpu", torch.float32, copy=True)
+        self._sgd.step()
+        for theta in self._theta:
+            theta.grad = None
+
+    @torch.no_grad()
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Copies θ_r into the model's parameters in place (any device or dtype; optimizer state stays attached)."""
+        local = list(model.parameters())
+        self._check_shapes(local, "model parameters")
+        for p, theta in zip(local, self._theta, strict=True):
+            p.copy_(theta)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat tensors only: ``theta.{i}`` and, once a momentum step ran, ``momentum.{i}`` (copies)."""
+        state = {f"theta.{i}": theta.clone() for i, theta in enumerate(self._theta)}
+        for i, theta in enumerate(self._theta):
+            buffer = self._sgd.state.get(theta, {}).get("momentum_buffer")
+            if buffer is not None:
+                state[f"momentum.{i}"] = buffer.clone()
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        thetas = [state.get(f"theta.{i}") for i in range(len(self._theta))]
+        if any(t is None for t in thetas) or len([k for k in state if k.startswith("theta.")]) != len(thetas):
+            raise ValueError(f"outer state must hold theta.0 … theta.{len(self._theta) - 1}")
+        self._check_shapes(thetas, "loaded theta")
+        momenta = {i: state[f"momentum.{i}"] for i in range(len(self._theta)) if f"momentum.{i}" in state}
+        for i, buffer in momenta.items():
+            if buffer.shape != self._theta[i].shape:
+                raise ValueError(f"momentum.{i} has shape {tuple(buffer.shape)}, θ has {tuple(self._theta[i].shape)}")
+        for i, theta in enumerate(self._theta):
+            theta.copy_(thetas[i])
+            if i in momenta:
+                self._sgd.state[theta]["momentum_buffer"] = momenta[i].to("cpu", torch.float32, copy=True)
+            else:
+                self._sgd.state.pop(theta, None)
+
+    def theta_hash(self) -> str:
+        """sha256 over the shape and raw float32 bytes of each θ tensor, in order."""
+        digest = hashlib.sha256()
+        for theta in self._theta:
+            digest.update(repr(tuple(theta.shape)).encode())
+            digest.update(theta.contiguous().numpy())  # buffer protocol: no byte copy
+        return digest.hexdigest()
+
+    def _check_shapes(self, tensors: list[torch.Tensor], what: str) -> None:
+        if len(tensors) != len(self._theta):
+            raise ValueError(f"{what}: {len(tensors)} tensors, θ has {len(self._theta)}")
+        for i, (t, theta) in enumerate(zip(tensors, self._theta, strict=True)):
+            if t.shape != theta.shape:
+                raise ValueError(f"{what} {i}: shape {tuple(t.shape)}, θ has {tuple(theta.shape)}")
