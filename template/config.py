@@ -39,17 +39,18 @@ class ChainArgs:
 
 def add_chain_args(parser: argparse.ArgumentParser, *, require_netuid: bool = True) -> None:
     """Add --netuid, --wallet.*, --subtensor.network (defaults from BT_* environment variables)."""
-    env = os.environ
+    env = os.environ.get
     parser.add_argument("--netuid", type=int, required=require_netuid, help="subnet uid to work on")
     group = parser.add_argument_group("wallet")
-    group.add_argument("--wallet.name", dest="wallet_name", default=env.get("BT_WALLET", WalletConfig.name),
+    group.add_argument("--wallet.name", dest="wallet_name", default=env("BT_WALLET", WalletConfig.name),
                        help="coldkey wallet name (env BT_WALLET; default %(default)s)")
-    group.add_argument("--wallet.hotkey", dest="wallet_hotkey", default=env.get("BT_WALLET_HOTKEY", WalletConfig.hotkey),
+    group.add_argument("--wallet.hotkey", dest="wallet_hotkey", default=env("BT_WALLET_HOTKEY", WalletConfig.hotkey),
                        help="hotkey name inside the wallet (env BT_WALLET_HOTKEY; default %(default)s)")
-    group.add_argument("--wallet.path", dest="wallet_path", default=env.get("BT_WALLET_PATH", DEFAULT_WALLET_PATH),
+    group.add_argument("--wallet.path", dest="wallet_path", default=env("BT_WALLET_PATH", DEFAULT_WALLET_PATH),
                        help="directory holding wallets (env BT_WALLET_PATH; default %(default)s)")
     chain = parser.add_argument_group("subtensor")
-    chain.add_argument("--subtensor.network", dest="subtensor_network", default=env.get("BT_NETWORK", SubtensorConfig.network),
+    network_default = env("BT_NETWORK", SubtensorConfig.network)
+    chain.add_argument("--subtensor.network", dest="subtensor_network", default=network_default,
                        help=f"chain to use: {NETWORK_HELP} (env BT_NETWORK; default %(default)s)")
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import bittensor as bt
 from bittensor.settings import resolve_endpoint
@@ -57,8 +58,8 @@ class RetryPolicy:
         return min(self.max_delay_s, self.base_delay_s * (2**attempt))
 
 
-# Errors worth another try: the link failed, not the chain's judgement.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (bt.RpcConnectionError, OSError)  # OSError covers socket errors and time-outs
+# Errors worth another try: the link failed, not the chain's judgement (OSError covers sockets and time-outs).
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (bt.RpcConnectionError, OSError)
 
 
 def open_subtensor(network: str) -> bt.Subtensor:
@@ -79,14 +80,16 @@ def open_subtensor(network: str) -> bt.Subtensor:
 class ChainClient:
     """What a neuron needs from the chain, for one subnet."""
 
-    def __init__(self, subtensor: bt.Subtensor, netuid: int, *, network: str = "local", retry: RetryPolicy = RetryPolicy()):
+    def __init__(
+        self, subtensor: bt.Subtensor, netuid: int, *, network: str = "local", retry: RetryPolicy = RetryPolicy()
+    ):
         self.subtensor = subtensor
         self.netuid = netuid
         self.network = network
         self.retry = retry
 
     @classmethod
-    def connect(cls, network: str, netuid: int, *, retry: RetryPolicy = RetryPolicy()) -> "ChainClient":
+    def connect(cls, network: str, netuid: int, *, retry: RetryPolicy = RetryPolicy()) -> ChainClient:
         return cls(open_subtensor(network), netuid, network=network, retry=retry)
 
     def _with_retry(self, what: str, call: Callable[[], T]) -> T:

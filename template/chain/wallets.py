@@ -1,6 +1,7 @@
 """Non-interactive bittensor wallets for tests and the local network.
 
-Real operators create wallets with ``btcli wallet create`` (or ``new-coldkey`` / ``new-hotkey``) (see docs/running_on_testnet.md).
+Real operators create wallets with ``btcli wallet create`` (or ``new-coldkey`` / ``new-hotkey``), see
+docs/running_on_testnet.md.
 Here nothing may prompt: keys are written unencrypted into a directory the caller owns (usually a temp dir), which
 is only acceptable for throwaway keys on a mock chain.
 """

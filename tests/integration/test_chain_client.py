@@ -30,7 +30,8 @@ def chain(tmp_path_factory):
     wallet_dir = tmp_path_factory.mktemp("wallets")
     mock = MockSubstrate()
     mock.create_subnet(NETUID, tempo=10, weights_rate_limit=2, serving_rate_limit=0)
-    wallets = {name: create_wallet(name, "default", wallet_dir) for name in ("validator", "miner1", "miner2", "outsider")}
+    names = ("validator", "miner1", "miner2", "outsider")
+    wallets = {name: create_wallet(name, "default", wallet_dir) for name in names}
     for name, stake in (("validator", 500.0), ("miner1", 0.0), ("miner2", 0.0)):
         mock.register(NETUID, wallets[name].hotkey.ss58_address, wallets[name].coldkeypub.ss58_address, stake_tao=stake)
     mock.advance_blocks(2)  # registration counts as a weights update: wait out one rate limit

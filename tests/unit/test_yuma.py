@@ -253,7 +253,7 @@ def test_inputs_are_not_modified():
     permit = np.array([True, True, False])
     copies = [a.copy() for a in (stake, weights, bonds, permit)]
     yuma_epoch(stake, weights, permit, bonds, 1000)
-    for original, copy in zip((stake, weights, bonds, permit), copies):
+    for original, copy in zip((stake, weights, bonds, permit), copies, strict=True):
         np.testing.assert_array_equal(original, copy)
 
 

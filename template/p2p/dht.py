@@ -1,0 +1,96 @@
+"""Start a hivemind DHT node safely: no NAT traversal or relays, retried start-up, bounded waits.
+
+Why a wrapper: hivemind's defaults turn on UPnP port mapping, AutoNAT and relays, which reach out to the
+network on their own; we always switch them off and let a public deployment say its public address through
+``announce_maddrs``. Start-up is also flaky on small machines ("failed to connect to bootstrap peers", 0.6–4.8 s
+per start on 2 cores, DESIGN.md §7), so :func:`start_dht` retries with exponential backoff.
+
+Guarantees on failure: every attempt is bounded by ``start_timeout``; a failed attempt's node is shut down
+before the next one starts; after ``start_attempts`` failures :class:`DHTStartError` is raised (with the
+last cause chained) and no node from this call is left running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import hivemind
+
+__all__ = ["DHTConfig", "DHTStartError", "start_dht", "visible_maddrs"]
+
+logger = logging.getLogger(__name__)
+
+# Never negotiable: these make hivemind contact third parties or open router ports on its own.
+_NO_NAT_TRAVERSAL = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+
+
+@dataclass
+class DHTConfig:
+    """Where the node listens, what it announces, whom it bootstraps from, and how hard it tries to start."""
+
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)  # public address(es) of a deployed node
+    initial_peers: list[str] = field(default_factory=list)  # multiaddrs with /p2p/<peer id>
+    identity_path: str | None = None  # a private key file: a stable PeerID across restarts
+    client_mode: bool = False  # True: no incoming connections (cannot reduce or share state)
+    start_attempts: int = 3
+    start_timeout: float = 30.0  # seconds per attempt
+    start_backoff: float = 1.0  # seconds before the 2nd attempt, doubled for each next one
+
+    def __post_init__(self) -> None:
+        if self.start_attempts < 1:
+            raise ValueError("start_attempts must be >= 1")
+        if self.start_timeout <= 0 or self.start_backoff < 0:
+            raise ValueError("start_timeout must be > 0 and start_backoff >= 0")
+        if not self.host_maddrs:
+            raise ValueError("host_maddrs must not be empty")
+
+
+class DHTStartError(RuntimeError):
+    """The DHT node did not start within the configured attempts."""
+
+
+def _dht_kwargs(config: DHTConfig) -> dict:
+    kwargs: dict = dict(
+        initial_peers=list(config.initial_peers),
+        host_maddrs=list(config.host_maddrs),
+        client_mode=config.client_mode,
+        startup_timeout=config.start_timeout,
+        **_NO_NAT_TRAVERSAL,
+    )
+    if config.announce_maddrs:
+        kwargs["announce_maddrs"] = list(config.announce_maddrs)
+    if config.identity_path is not None:
+        kwargs["identity_path"] = config.identity_path
+    return kwargs
+
+
+def start_dht(config: DHTConfig | None = None) -> hivemind.DHT:
+    """Start a DHT node and wait until it serves requests; retry with backoff; raise :class:`DHTStartError`."""
+    config = config or DHTConfig()
+    last_error: BaseException | None = None
+    for attempt in range(1, config.start_attempts + 1):
+        dht = hivemind.DHT(start=False, **_dht_kwargs(config))
+        try:
+            dht.run_in_background(await_ready=True, timeout=config.start_timeout)
+            return dht
+        except Exception as e:  # hivemind raises P2PDaemonError, TimeoutError, ... depending on the stage
+            last_error = e
+            logger.warning("DHT start attempt %d/%d failed: %r", attempt, config.start_attempts, e)
+            _stop(dht)
+        if attempt < config.start_attempts:
+            time.sleep(config.start_backoff * 2 ** (attempt - 1))
+    raise DHTStartError(f"DHT did not start after {config.start_attempts} attempts: {last_error!r}") from last_error
+
+
+def _stop(dht: hivemind.DHT) -> None:
+    """Shut a (possibly half-started) node down; hivemind's shutdown is bounded by its shutdown_timeout."""
+    if dht.is_alive():
+        dht.shutdown()  # joins for shutdown_timeout, then terminates
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """Multiaddrs (with /p2p/<peer id>) that other peers pass as ``initial_peers`` to join this node."""
+    return [str(maddr) for maddr in dht.get_visible_maddrs()]

@@ -1,0 +1,431 @@
+"""The checked butterfly all-reduce between real hivemind peers on 127.0.0.1.
+
+Peers are DHT + averager processes started from this test process; the peer that gets killed is a separate
+Python process (its own session, so SIGKILL takes its DHT, averager and p2p daemon down with it). Every
+test waits on results or readiness lines, never on fixed sleeps, and every test has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from template.p2p.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
+from template.training.averaging import (
+    AveragingConfig,
+    AveragingResult,
+    PseudoGradientAverager,
+    _CheckedPartReducer,
+    _Contribution,
+)
+from template.training.compression import get_compression
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHAPES = [torch.Size([40_000]), torch.Size([200, 250]), torch.Size([9_000]), torch.Size([17])]  # ~99k values
+WEIGHTS = [1.0, 2.0, 3.0]
+
+
+def fast_config(**overrides) -> AveragingConfig:
+    """Small timeouts for loopback; a fresh prefix so that tests never meet each other's groups."""
+    settings = dict(
+        prefix=f"test{uuid.uuid4().hex[:10]}",
+        target_group_size=3,
+        min_group_size=3,
+        matchmaking_time=3.0,
+        request_timeout=1.0,
+        allreduce_timeout=20.0,
+        next_chunk_timeout=3.0,
+        part_size_bytes=32 * 1024,  # several parts per owner: exercises the lock-step reducer
+        compression="none",
+    )
+    settings.update(overrides)
+    return AveragingConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    first = start_dht()
+    nodes = [first] + [start_dht(DHTConfig(initial_peers=visible_maddrs(first))) for _ in range(2)]
+    yield nodes
+    for node in nodes:
+        node.shutdown()
+
+
+@contextmanager
+def averagers(nodes, configs, state_providers=None):
+    state_providers = state_providers or [None] * len(configs)
+    peers = []
+    try:
+        for node, config, provider in zip(nodes, configs, state_providers, strict=True):
+            peers.append(PseudoGradientAverager(node, SHAPES, config, state_provider=provider))
+        yield peers
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
+def random_deltas(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * scale for shape in SHAPES]
+
+
+def weighted_mean(deltas: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    total = sum(weights)
+    return [sum(w * d[k].double() for w, d in zip(weights, deltas, strict=True)) / total for k in range(len(SHAPES))]
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    return hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+def max_abs(tensors) -> float:
+    return max(float(t.abs().max()) for t in tensors)
+
+
+def max_error(result: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    return max(float((r.double() - e).abs().max()) for r, e in zip(result, expected, strict=True))
+
+
+def norm(tensors) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+
+
+def average_all(peers, deltas, weights, timeout=30.0) -> list[AveragingResult]:
+    deadline = time.time() + timeout
+    with ThreadPoolExecutor(len(peers)) as pool:
+        futures = [
+            pool.submit(peer.average, delta, weight, {"rank": rank}, deadline)
+            for rank, (peer, delta, weight) in enumerate(zip(peers, deltas, weights, strict=True))
+        ]
+        return [future.result(timeout=timeout + 10) for future in futures]
+
+
+def codec_tolerance(codec: str, deltas: list[list[torch.Tensor]]) -> float:
+    """Worst-case error of the average: input error (weighted mean of per-peer errors) + output error."""
+    largest = max(max_abs(d) for d in deltas)
+    if codec == "none":
+        return 1e-6 * max(largest, 1.0)
+    if codec == "fp16":
+        return 2 * largest * 2.0**-11
+    return 2 * (largest / 127) / 2 * 1.001  # int8: s/2 on the way in, s/2 on the way out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+def test_weighted_mean_is_exact_and_bit_identical(dhts, codec):
+    deltas = [random_deltas(seed) for seed in range(3)]
+    expected = weighted_mean(deltas, WEIGHTS)
+    config = fast_config(compression=codec)
+    with averagers(dhts, [config] * 3) as peers:
+        # matchmaking is scheduled ahead; the tensors are handed over only at finish()
+        scheduled = time.time() + config.matchmaking_time
+        deadline = scheduled + 25
+        handles = [
+            peer.begin(w, {"rank": r}, scheduled, deadline)
+            for r, (peer, w) in enumerate(zip(peers, WEIGHTS, strict=True))
+        ]
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda i: peers[i].finish(handles[i], deltas[i], deadline), range(3)))
+
+        for result in results:
+            assert result.ok, result.reason
+            assert result.group_size == 3 and result.seconds < 30
+            assert sorted(data["rank"] for data in result.group.values()) == [0, 1, 2]
+            assert sorted(result.weights.values()) == WEIGHTS
+            assert set(result.coverage.values()) == {1.0}
+            assert [t.shape for t in result.averaged] == SHAPES
+            assert max_error(result.averaged, expected) <= codec_tolerance(codec, deltas)
+        assert len({digest(r.averaged) for r in results}) == 1, "peers must hold the same bytes"
+        assert len({r.group_id for r in results}) == 1
+
+        # butterfly traffic: every value crosses the wire twice per non-owner, in the codec's size
+        bytes_per_value = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 256}[codec]
+        payload = 2 * (3 - 1) * sum(s.numel() for s in SHAPES) * bytes_per_value
+        assert payload <= sum(r.bytes_sent for r in results) <= 1.05 * payload
+        assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
+
+        # the same averagers run a second round (buffers are reloaded, nothing leaks from round 1)
+        second = average_all(peers, [random_deltas(10 + i) for i in range(3)], [1.0, 1.0, 1.0])
+        assert all(r.ok for r in second) and len({digest(r.averaged) for r in second}) == 1
+        assert max_error(second[0].averaged, weighted_mean([random_deltas(10 + i) for i in range(3)], [1, 1, 1])) <= (
+            codec_tolerance(codec, [random_deltas(10 + i) for i in range(3)])
+        )
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_nan_contribution_is_dropped_not_averaged(dhts, codec):
+    deltas = [random_deltas(0), random_deltas(1), [torch.full(s, float("nan")) for s in SHAPES]]
+    honest = weighted_mean(deltas[:2], WEIGHTS[:2])
+    with averagers(dhts, [fast_config(compression=codec)] * 3) as peers:
+        results = average_all(peers, deltas, WEIGHTS)
+        nan_peer = peers[2].peer_id
+        for result in results:  # the NaN sender too: it receives the same (clean) average
+            assert result.ok, result.reason
+            assert all(bool(torch.isfinite(t).all()) for t in result.averaged)
+            assert max_error(result.averaged, honest) <= codec_tolerance(codec, deltas[:2])
+            assert result.coverage[nan_peer] == 0.0
+            assert all(v == 1.0 for peer, v in result.coverage.items() if peer != nan_peer)
+        assert len({digest(r.averaged) for r in results}) == 1
+
+
+@pytest.mark.timeout(90)
+def test_inflated_contribution_is_clipped_to_the_median_norm(dhts):
+    config = fast_config()
+    honest_deltas = [random_deltas(0), random_deltas(1)]
+    attacker = random_deltas(2, scale=1e6)
+    deltas = honest_deltas + [attacker]
+    honest = weighted_mean(honest_deltas, WEIGHTS[:2])
+    unclipped = weighted_mean(deltas, WEIGHTS)
+    with averagers(dhts, [config] * 3) as peers:
+        results = average_all(peers, deltas, WEIGHTS)
+    assert all(r.ok for r in results) and len({digest(r.averaged) for r in results}) == 1
+    averaged = results[0].averaged
+    assert all(bool(torch.isfinite(t).all()) for t in averaged)
+    # per part, the attacker's norm is clipped to k x the lower median, which is at most the larger honest
+    # part norm; so its clipped vector has norm <= k * sqrt(|x0|^2 + |x1|^2), entering with weight 3/6
+    clipped_bound = config.norm_clip_multiple * math.sqrt(sum(norm(d) ** 2 for d in honest_deltas))
+    distance = norm([a.double() - h for a, h in zip(averaged, honest, strict=True)])
+    assert distance <= WEIGHTS[2] / sum(WEIGHTS) * (clipped_bound + norm(honest)) * (1 + 1e-6)
+    assert norm(averaged) < 1e-3 * norm(unclipped)
+
+
+@pytest.mark.timeout(90)
+def test_auxiliary_peer_receives_the_same_average(dhts):
+    config = fast_config(compression="int8")
+    deltas = [random_deltas(0), random_deltas(1)]
+    expected = weighted_mean(deltas, WEIGHTS[:2])
+    configs = [config, config, dataclasses.replace(config, auxiliary=True)]
+    with averagers(dhts, configs) as peers:
+        results = average_all(peers, deltas + [None], WEIGHTS[:2] + [123.0])
+        validator = peers[2].peer_id
+    assert all(r.ok for r in results), [r.reason for r in results]
+    assert len({digest(r.averaged) for r in results}) == 1
+    assert max_error(results[2].averaged, expected) <= codec_tolerance("int8", deltas)
+    assert results[0].weights[validator] == 0.0 and results[0].group[validator] == {"rank": 2}
+    assert validator not in results[0].coverage  # not a sender
+    # it sent placeholders only: a few bytes per part, nothing like its share of the vector
+    assert results[2].bytes_sent < 0.01 * sum(s.numel() for s in SHAPES)
+    assert results[2].bytes_received >= sum(s.numel() for s in SHAPES)
+
+
+VICTIM = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import torch
+    from template.p2p.dht import DHTConfig, start_dht
+    from template.training.averaging import AveragingConfig, PseudoGradientAverager
+
+    args = json.loads(sys.argv[1])
+    dht = start_dht(DHTConfig(initial_peers=args["initial_peers"]))
+    shapes = [torch.Size(s) for s in args["shapes"]]
+    averager = PseudoGradientAverager(dht, shapes, AveragingConfig(**args["config"]))
+    print("READY", flush=True)
+    handle = averager.begin(3.0, {"rank": "victim"}, args["scheduled"], args["deadline"])
+    while handle.control.stage.name in ("IDLE", "LOOKING_FOR_GROUP") and time.time() < args["deadline"]:
+        time.sleep(0.01)
+    print("MATCHED", handle.control.stage.name, flush=True)
+    sys.stdin.readline()  # the test says when to join the all-reduce
+    deltas = [torch.randn(s) for s in shapes]
+    threading.Thread(target=averager.finish, args=(handle, deltas, args["deadline"]), daemon=True).start()
+    while handle.control.stage.name != "RUNNING_ALLREDUCE" and time.time() < args["deadline"]:
+        time.sleep(0.001)
+    print("RUNNING", flush=True)
+    time.sleep(600)  # killed by the test
+    """
+)
+
+
+def read_line_with(process: subprocess.Popen, prefix: str, timeout: float) -> str:
+    """Readiness protocol with the victim: block (bounded by the test timeout) until it prints ``prefix``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError(f"victim exited with {process.wait()} before {prefix}")
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"victim did not print {prefix} in {timeout}s")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("moment", ["after_matchmaking", "during_allreduce"])
+def test_killed_peer_never_hangs_nor_splits_the_survivors(dhts, moment):
+    config = fast_config(next_chunk_timeout=2.0, allreduce_timeout=10.0)
+    survivors_deltas = [random_deltas(0), random_deltas(1)]
+    with averagers(dhts[:2], [config] * 2) as peers:
+        scheduled = time.time() + 25  # room for the victim's interpreter to start on a loaded machine
+        deadline = scheduled + 20
+        args = dict(
+            initial_peers=visible_maddrs(dhts[0]),
+            shapes=[list(s) for s in SHAPES],
+            config=dataclasses.asdict(config),
+            scheduled=scheduled,
+            deadline=deadline,
+        )
+        victim = subprocess.Popen(
+            [sys.executable, "-c", VICTIM, json.dumps(args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            start_new_session=True,  # its own process group: the kill takes its DHT/averager/p2pd along
+        )
+        try:
+            read_line_with(victim, "READY", timeout=60)
+            handles = [
+                peer.begin(w, {"rank": r}, scheduled, deadline)
+                for r, (peer, w) in enumerate(zip(peers, WEIGHTS[:2], strict=True))
+            ]
+            assert "AWAITING_TRIGGER" in read_line_with(victim, "MATCHED", timeout=deadline - time.time())
+            if moment == "after_matchmaking":
+                os.killpg(victim.pid, signal.SIGKILL)
+            with ThreadPoolExecutor(2) as pool:
+                futures = [pool.submit(peers[i].finish, handles[i], survivors_deltas[i], deadline) for i in range(2)]
+                if moment == "during_allreduce":
+                    victim.stdin.write("go\n")
+                    victim.stdin.flush()
+                    read_line_with(victim, "RUNNING", timeout=10)
+                    os.killpg(victim.pid, signal.SIGKILL)
+                results = [future.result(timeout=deadline - time.time() + 5) for future in futures]
+        finally:
+            if victim.poll() is None:
+                os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(timeout=10)
+
+    finished = time.time()
+    assert finished <= deadline + 2, "survivors must return by their deadline"
+    for result in results:
+        assert result.ok or result.reason, "a failure must say why"
+    succeeded = [r for r in results if r.ok]
+    # never a silent patchwork: whoever reports success holds the same bytes, and they are finite
+    assert len({(r.group_id, digest(r.averaged)) for r in succeeded}) <= 1
+    for result in succeeded:
+        assert all(bool(torch.isfinite(t).all()) for t in result.averaged)
+    if moment == "after_matchmaking":
+        # the victim owned a share it never averaged: no survivor can have a complete result
+        assert not succeeded, [r.reason for r in results]
+        assert all(r.reason.startswith("partial all-reduce") and r.group_size == 3 for r in results)
+
+
+@pytest.mark.timeout(90)
+def test_late_joiner_loads_state_bit_identical(dhts):
+    generator = torch.Generator().manual_seed(7)
+    theta = [torch.randn(s, generator=generator) for s in SHAPES]
+    momentum = [torch.randn(s, generator=generator) * 1e-3 for s in SHAPES]
+    metadata = {"round": 41, "outer_lr": 0.7, "run": "test"}
+    config = fast_config()
+    with averagers(dhts[:2], [config] * 2, [lambda: (metadata, theta + momentum), None]) as (sharer, joiner):
+        sharer.set_state_priority(metadata["round"])
+        state = joiner.load_state_from_peers(timeout=30)
+        assert state is not None
+        loaded_metadata, tensors = state
+        assert loaded_metadata == metadata
+        assert digest(tensors) == digest(theta + momentum)
+        assert [t.dtype for t in tensors] == [torch.float32] * len(tensors)
+
+
+@pytest.mark.timeout(60)
+def test_load_state_and_average_are_bounded_when_alone(dhts):
+    config = fast_config(min_group_size=2, target_group_size=2)
+    with averagers(dhts[:1], [config]) as (lonely,):
+        started = time.time()
+        assert lonely.load_state_from_peers(timeout=2.0) is None
+        assert time.time() - started < 5
+        started = time.time()
+        result = lonely.average(random_deltas(0), 1.0, {}, deadline=time.time() + 4.5)
+        assert not result.ok and result.reason and result.averaged is None
+        assert time.time() - started < 6.5
+        lonely.shutdown()
+        lonely.shutdown()  # idempotent
+        with pytest.raises(RuntimeError):
+            lonely.average(random_deltas(0), 1.0, {}, deadline=time.time() + 6)
+
+
+@pytest.mark.timeout(60)
+def test_dht_is_loopback_only_and_start_failures_are_bounded(dhts):
+    assert dhts[0].kwargs["host_maddrs"] == ["/ip4/127.0.0.1/tcp/0"]
+    for flag in ("nat_port_map", "auto_nat", "use_relay", "use_auto_relay"):
+        assert dhts[0].kwargs[flag] is False
+    assert all(maddr.startswith("/ip4/127.0.0.1/") for maddr in visible_maddrs(dhts[0]))
+
+    # a bootstrap peer that does not exist: every attempt fails fast, then one clean error
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+    started = time.time()
+    with pytest.raises(DHTStartError, match="after 2 attempts"):
+        start_dht(DHTConfig(initial_peers=[nobody], start_attempts=2, start_timeout=20, start_backoff=0.1))
+    assert time.time() - started < 45
+
+
+# ---------------------------------------------------------------------------------------- the reducer alone
+
+
+def reduce_one_part(contributions, weights, clip=3.0, codec="none"):
+    """Run the owner's reduction of a single part without any network."""
+
+    async def run():
+        reducer = _CheckedPartReducer(
+            [torch.Size([4])], [f"peer{i}" for i in range(len(weights))], weights, get_compression(codec), clip
+        )
+        results = await asyncio.gather(*(reducer.accumulate_part(c, 0) for c in contributions), return_exceptions=True)
+        return reducer, results
+
+    return asyncio.run(asyncio.wait_for(run(), timeout=10))
+
+
+@pytest.mark.timeout(30)
+def test_reducer_drops_bad_parts_and_clips_to_the_lower_median():
+    good = [torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 2.0, 0.0, 0.0])]
+    contributions = [
+        _Contribution(0, good[0], 1.0, None),
+        _Contribution(1, good[1], 1.0, None),
+        _Contribution(2, torch.tensor([0.0, 0.0, 100.0, 0.0]), 1.0, None),  # norm 100 -> clipped to 3 x 2
+        _Contribution(3, torch.tensor([float("nan"), 0, 0, 0]), 1.0, None),  # non-finite -> dropped
+        _Contribution(4, torch.ones(4), 5.0, None),  # weight differs from the announced 1.0 -> dropped
+        _Contribution(5, torch.ones(3), 1.0, None),  # wrong size -> dropped
+        _Contribution(6, None, 1.0, "undecodable: bad magic"),
+    ]
+    reducer, results = reduce_one_part(contributions, [1.0] * 7)
+    assert not any(isinstance(r, BaseException) for r in results)
+    averaged = results[0].decoded
+    assert torch.equal(averaged, torch.tensor([1.0, 2.0, 6.0, 0.0]) / 3)
+    assert all(torch.equal(r.decoded, averaged) and r.reply is results[0].reply for r in results)
+    assert int.from_bytes(results[0].reply.peer_id, "little") == 0b0000111
+    assert results[0].reply.weight == 3.0
+    assert sorted(peer for peer, _, _ in reducer.dropped) == ["peer3", "peer4", "peer5", "peer6"]
+    assert [(peer, factor) for peer, _, factor in reducer.clipped] == [("peer2", pytest.approx(0.06))]
+
+
+@pytest.mark.timeout(30)
+def test_reducer_with_two_senders_clips_the_inflated_one():
+    honest, inflated = torch.tensor([3.0, 4.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.0, 5e6])
+    _, results = reduce_one_part(
+        [_Contribution(0, honest, 1.0, None), _Contribution(1, inflated, 1.0, None)], [1.0, 1.0], clip=2.0
+    )
+    assert torch.allclose(results[0].decoded, torch.tensor([1.5, 2.0, 0.0, 5.0]))
+
+
+@pytest.mark.timeout(30)
+def test_reducer_fails_the_part_when_nothing_valid_arrives():
+    _, results = reduce_one_part([_Contribution(0, torch.full((4,), float("inf")), 1.0, None)], [1.0])
+    assert isinstance(results[0], Exception) and "no valid contribution" in str(results[0])
