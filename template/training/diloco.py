@@ -233,7 +233,7 @@ class DiLoCoPeer:
         planned_tokens = spec.inner_steps * spec.batch_size * spec.seq_len
 
         # Train until a few steps before the end, start matchmaking, then finish training while it runs.
-        lead_steps = self._matchmaking_lead_steps()
+        lead_steps = self.node.broadcast_int(self._matchmaking_lead_steps())  # the leader's choice, for all ranks
         stats_head = self._train(batches, spec.inner_steps - lead_steps, deadline, r, 0)
         handle = None
         if self.averager is not None:

@@ -103,6 +103,7 @@ class RunWatch:
     peers: list[str]
     rounds: dict[int, dict[str, dict]] = field(default_factory=dict)
     done: dict[str, dict] = field(default_factory=dict)
+    restored: dict[str, str] = field(default_factory=dict)  # peer -> where its starting state came from
     errors: dict[str, str] = field(default_factory=dict)
     interactive: bool = field(default_factory=lambda: sys.stderr.isatty())
 
@@ -117,6 +118,10 @@ class RunWatch:
             reports[peer] = event
             if set(reports) >= set(self.peers) - set(self.errors):
                 self._print_round(event["round"], reports)
+        elif kind == "ready":
+            self.restored[peer] = event["restored"]
+            self._line(f"{peer} ready: state from {event['restored']}, round {event['round']}, "
+                       f"{event['params'] / 1e6:.2f}M params")
         elif kind == "done":
             self.done[peer] = event
         elif kind == "error":
@@ -159,8 +164,9 @@ class RunWatch:
         final = {peer: event["theta_hash"] for peer, event in self.done.items()}
         finished = set(final) == set(self.peers)
         identical = len(set(final.values())) == 1
-        return dict(peers=self.peers, rounds=rounds, final_theta_hashes=final, errors=self.errors,
-                    finished=finished, identical=identical, passed=finished and identical and not self.errors)
+        return dict(peers=self.peers, restored=self.restored, rounds=rounds, final_theta_hashes=final,
+                    errors=self.errors, finished=finished, identical=identical,
+                    passed=finished and identical and not self.errors)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,185 @@
+"""The DiLoCo engine between real processes on 127.0.0.1: lockstep rounds, a crash and a rejoin, a resumed checkpoint,
+a 2-rank torchrun peer, and a misconfigured peer that must fail fast.
+
+Every peer is ``python -m template.training.peer`` (tiny model, short rounds); the tests read the JSON events the peers
+print. Bounded everywhere: each wait has a deadline and every process is stopped in ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from template.training.run import PeerProcess, wait_for_event
+
+REPO = Path(__file__).resolve().parents[2]
+# Small and fast on 2 cores: ~0.1 s per inner step, a few seconds per round.
+FAST = ["--seq-len", "64", "--batch-size", "8", "--torch-threads", "1", "--heldout-batches", "2"]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def _run_launcher(tmp_path: Path, *args: str, timeout: float = 480) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "template.training.run", "--out", str(tmp_path), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env(),
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no summary (rc={result.returncode}): {result.stderr[-3000:]}"
+    return json.loads(lines[-1]) | {"returncode": result.returncode, "stderr": result.stderr}
+
+
+def _rounds_of(events: list[dict], peer: str) -> list[dict]:
+    return [e for e in events if e["event"] == "round" and e["peer_key"] == peer]
+
+
+@pytest.mark.timeout(600)
+def test_three_peers_train_in_lockstep_and_heldout_loss_falls(tmp_path):
+    summary = _run_launcher(tmp_path, "--peers", "3", "--rounds", "3", "--inner-steps", "15",
+                            "--matchmaking-time", "8", *FAST)
+    assert summary["returncode"] == 0, summary["stderr"][-3000:]
+    assert summary["passed"] and summary["identical"] and summary["finished"]
+    rounds = summary["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    for r in rounds:
+        assert r["allreduce_ok"] == 3 and r["group_size"] == 3 and r["identical"], r
+        # butterfly: each peer sends about 2(N-1)/N of the fp16 vector (1.87M params * 2 bytes)
+        assert 0.9 * 2 * 2 / 3 * 1.87e6 * 2 < r["bytes_sent_per_peer"] < 1.2 * 2 * 2 / 3 * 1.87e6 * 2
+    losses = [r["heldout_loss"] for r in rounds]
+    assert losses[0] > losses[1] > losses[2], losses
+    assert len(set(summary["final_theta_hashes"].values())) == 1
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_peer_does_not_stop_the_others_and_rejoins_from_their_state(tmp_path):
+    common = ["--rounds", "7", "--inner-steps", "15", "--matchmaking-time", "6", "--expected-peers", "3", *FAST]
+    events: queue.Queue = queue.Queue()
+    seen: list[dict] = []
+
+    def until(predicate, timeout):
+        def record(event):
+            seen.append(event)
+            return predicate(event)
+        return wait_for_event(events, record, timeout)
+
+    peers: dict[str, PeerProcess] = {}
+    try:
+        peers["p0"] = PeerProcess("p0", [*common, "--checkpoint-dir", str(tmp_path / "p0")], tmp_path, _env(), events)
+        bootstrap = until(lambda e: e["event"] == "listening", 120)["maddrs"]
+        for name in ("p1", "p2"):
+            flags = [*common, "--checkpoint-dir", str(tmp_path / name), "--initial-peers", *bootstrap]
+            peers[name] = PeerProcess(name, flags, tmp_path, _env(), events)
+        until(lambda e: e["event"] == "round" and e["peer_key"] == "p2" and e["round"] == 0, 240)
+        until(lambda e: e["event"] == "progress" and e["peer_key"] == "p2" and e["round"] == 1, 120)
+        peers["p2"].kill()  # SIGKILL in the middle of round 1's inner steps
+        killed_at_round = 1
+
+        # the survivors finish round 1 without p2, in one group of two, with identical θ
+        until(lambda e: e["event"] == "round" and e["round"] == 1 and
+              {x["peer_key"] for x in seen if x["event"] == "round" and x["round"] == 1} >= {"p0", "p1"}, 180)
+        survivors_r1 = [e for e in seen if e["event"] == "round" and e["round"] == 1 and e["peer_key"] != "p2"]
+        assert all(e["allreduce_ok"] and e["group_size"] == 2 for e in survivors_r1), survivors_r1
+        assert len({e["theta_hash"] for e in survivors_r1}) == 1
+
+        # p2 restarts from the same checkpoint directory and catches up through the live peers' state
+        restart_flags = [*common, "--checkpoint-dir", str(tmp_path / "p2"), "--initial-peers", *bootstrap]
+        peers["p2"] = PeerProcess("p2", restart_flags, tmp_path, _env(), events)
+        ready = until(lambda e: e["event"] == "ready" and e["peer_key"] == "p2", 180)
+        assert ready["restored"].startswith("peer state") and ready["round"] > killed_at_round, ready
+        finished: set[str] = set()
+
+        def all_finished(event: dict) -> bool:
+            if event["event"] in ("done", "error"):
+                finished.add(event["peer_key"])
+            return finished >= {"p0", "p1", "p2"}
+
+        until(all_finished, 400)
+    finally:
+        for peer in peers.values():
+            peer.stop()
+        while not events.empty():
+            seen.append(events.get())
+
+    assert not [e for e in seen if e["event"] == "error"]
+    hashes_by_round: dict[int, set[str]] = {}
+    for e in seen:
+        if e["event"] == "round" and e["allreduce_ok"]:
+            hashes_by_round.setdefault(e["round"], set()).add(e["theta_hash"])
+    assert all(len(h) == 1 for h in hashes_by_round.values()), hashes_by_round  # no two θ after any round
+    rejoined = [e for e in _rounds_of(seen, "p2") if e["round"] > killed_at_round and e["allreduce_ok"]]
+    assert rejoined and all(e["group_size"] == 3 for e in rejoined), _rounds_of(seen, "p2")
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_peer_resumes_from_its_checkpoint(tmp_path):
+    first = _run_launcher(tmp_path, "--peers", "1", "--rounds", "2", "--inner-steps", "8", *FAST)
+    assert first["passed"], first["stderr"][-2000:]
+    second = _run_launcher(tmp_path, "--peers", "1", "--rounds", "3", "--inner-steps", "8", *FAST)
+    assert second["passed"], second["stderr"][-2000:]
+    assert second["restored"] == {"peer0": "checkpoint round 2"}
+    assert [r["round"] for r in second["rounds"]] == [2]  # rounds 0 and 1 are not redone
+    assert second["rounds"][0]["heldout_loss"] < first["rounds"][0]["heldout_loss"]
+
+
+@pytest.mark.timeout(420)
+def test_a_two_rank_torchrun_peer_trains_with_a_single_process_peer(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun ships with torch"
+    common = ["--rounds", "2", "--inner-steps", "8", "--matchmaking-time", "6", "--expected-peers", "2", *FAST]
+    events: queue.Queue = queue.Queue()
+    node = single = None
+    collected: list[dict] = []
+    try:
+        node = PeerProcess("node", common, tmp_path, _env(), events,
+                           launcher=[torchrun, "--standalone", "--nproc_per_node", "2", "-m"])
+        bootstrap = wait_for_event(events, lambda e: e["event"] in ("listening", "error"), 180)
+        assert bootstrap["event"] == "listening", bootstrap
+        single = PeerProcess("single", [*common, "--initial-peers", *bootstrap["maddrs"]], tmp_path, _env(), events)
+        done: set[str] = set()
+
+        def finished(event):
+            collected.append(event)
+            if event["event"] in ("done", "error", "exit"):
+                done.add(event["peer_key"])
+            return done >= {"node", "single"}
+
+        wait_for_event(events, finished, 360)
+    finally:
+        for process in (single, node):
+            if process is not None:
+                process.stop()
+    assert not [e for e in collected if e["event"] == "error"], collected
+    finals = {e["peer_key"]: e["theta_hash"] for e in collected if e["event"] == "done"}
+    assert set(finals) == {"node", "single"} and len(set(finals.values())) == 1
+    node_rounds = _rounds_of(collected, "node")
+    assert [r["round"] for r in node_rounds] == [0, 1] and all(r["allreduce_ok"] for r in node_rounds)
+    # the node's two ranks each trained half of every batch: the node reports the whole batch's tokens
+    assert all(r["tokens"] == 8 * 8 * 64 for r in node_rounds)
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_with_other_settings_fails_fast_and_says_what_differs(tmp_path):
+    events: queue.Queue = queue.Queue()
+    first = other = None
+    try:
+        first = PeerProcess("first", ["--rounds", "1", "--expected-peers", "2", *FAST], tmp_path, _env(), events)
+        maddrs = wait_for_event(events, lambda e: e["event"] == "listening", 120)["maddrs"]
+        mismatched = [*FAST, "--seq-len", "32", "--rounds", "1", "--initial-peers", *maddrs]
+        other = PeerProcess("other", mismatched, tmp_path, _env(), events)
+        error = wait_for_event(events, lambda e: e["peer_key"] == "other" and e["event"] in ("error", "ready"), 180)
+        assert other.process.wait(timeout=60) == 2
+    finally:
+        for process in (other, first):
+            if process is not None:
+                process.stop()
+    assert error["event"] == "error" and "RunMismatchError" in error["error"]
+    assert "seq_len: ours=32 theirs=64" in error["error"]
