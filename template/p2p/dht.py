@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import hivemind
 
@@ -91,6 +92,13 @@ def _stop(dht: hivemind.DHT) -> None:
         dht.shutdown()  # joins for shutdown_timeout, then terminates
 
 
-def visible_maddrs(dht: hivemind.DHT) -> list[str]:
-    """Multiaddrs (with /p2p/<peer id>) that other peers pass as ``initial_peers`` to join this node."""
-    return [str(maddr) for maddr in dht.get_visible_maddrs()]
+def visible_maddrs(dht: hivemind.DHT, timeout_s: float = 10.0) -> list[str]:
+    """Multiaddrs (with /p2p/<peer id>) that other peers pass as ``initial_peers`` to join this node.
+
+    hivemind's own ``get_visible_maddrs`` waits forever when the DHT process has died; this raises
+    :class:`DHTStartError` instead (dead node) or ``TimeoutError`` (no answer within ``timeout_s``).
+    """
+    if not dht.is_alive():
+        raise DHTStartError(f"the DHT process is not running (exit code {dht.exitcode})")
+    future = dht.run_coroutine(partial(hivemind.DHT._get_visible_maddrs, latest=False), return_future=True)
+    return [str(maddr) for maddr in future.result(timeout=timeout_s)]

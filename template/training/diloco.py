@@ -166,6 +166,10 @@ class DiLoCoPeer:
         self._resync_needed = False  # the last all-reduce failed: look for a peer that completed it
         self._state_lock = threading.Lock()  # the averager's state provider runs on another thread
         self._step_time_s: float | None = None  # running estimate, to schedule matchmaking ahead
+        # Hooks for miner behaviours: which windows to train on, how many steps (default: assigned ones, H).
+        self.window_selector: Callable[[int], list[int]] | None = None
+        self.max_inner_steps = spec.inner_steps
+        self.last_delta: list[torch.Tensor] | None = None  # Δ of the last round (leader), for publication
 
         self.dht = dht
         self.averager: PseudoGradientAverager | None = None
@@ -216,8 +220,19 @@ class DiLoCoPeer:
 
     # ------------------------------------------------------------------------------------------ the round
 
-    def run_round(self, deadline: float | None = None) -> RoundReport:
-        """One DiLoCo round. ``deadline`` (time.time()) bounds inner training and the all-reduce."""
+    def skip_to(self, round: int) -> None:
+        """Jump to a later round (a chain-clocked peer that missed rounds); θ is re-synced from peers first."""
+        if round > self.round:
+            with self._state_lock:
+                self.round = round
+            self._resync_needed = True
+
+    def run_round(self, train_until: float | None = None, finish_by: float | None = None) -> RoundReport:
+        """One DiLoCo round: at most H inner steps, stopping at ``train_until``; the all-reduce ends by ``finish_by``.
+
+        Both are ``time.time()`` values (a chain-clocked miner derives them from the round's last block); without
+        them the round runs exactly H steps and the all-reduce gets matchmaking time + ``allreduce_timeout``.
+        """
         round_started = time.monotonic()
         if self._resync_needed and self.node.is_leader:
             resync_timeout = self.averaging_config.matchmaking_time
@@ -228,21 +243,22 @@ class DiLoCoPeer:
         self.outer.load_into(self.model)  # θ_local ← θ_r
         base_hash = self.outer.theta_hash()
         log.info("round %d starts from θ %s", r, base_hash[:12])
-        windows = self.assignment.assigned_windows(self.peer_key, r, spec.inner_steps * spec.batch_size)
+        windows = self.window_selector(r) if self.window_selector else self.assigned_windows(r)
         batches = self._rank_batches(windows)
-        planned_tokens = spec.inner_steps * spec.batch_size * spec.seq_len
+        step_tokens = spec.batch_size * spec.seq_len
 
         # Train until a few steps before the end, start matchmaking, then finish training while it runs.
         lead_steps = self.node.broadcast_int(self._matchmaking_lead_steps())  # the leader's choice, for all ranks
-        stats_head = self._train(batches, spec.inner_steps - lead_steps, deadline, r, 0)
+        stats_head = self._train(batches, self.max_inner_steps - lead_steps, train_until, r, 0)
         handle = None
         if self.averager is not None:
             remaining_s = lead_steps * (self._step_time_s or 0.0)
             scheduled = time.time() + max(remaining_s, self.averager.config.matchmaking_time)
             gather = dict(peer_key=self.peer_key, round=r, base=base_hash, fingerprint=self.fingerprint)
-            handle = self.averager.begin(planned_tokens, gather, scheduled,
-                                         deadline=self._allreduce_deadline(scheduled, deadline))
-        stats_tail = self._train(batches, lead_steps, deadline, r, stats_head.steps)
+            announced_tokens = stats_head.tokens + lead_steps * step_tokens  # the weight is fixed at matchmaking
+            handle = self.averager.begin(announced_tokens, gather, scheduled,
+                                         deadline=self._allreduce_deadline(scheduled, finish_by))
+        stats_tail = self._train(batches, lead_steps, train_until, r, stats_head.steps)
         steps = stats_head.steps + stats_tail.steps
         tokens = stats_head.tokens + stats_tail.tokens
         inner_s = stats_head.seconds + stats_tail.seconds
@@ -256,7 +272,8 @@ class DiLoCoPeer:
         result = None
         if self.averager is not None and handle is not None:
             delta = self.outer.pseudo_gradient(self.model)
-            result = self.averager.finish(handle, delta, self._allreduce_deadline(time.time(), deadline))
+            self.last_delta = delta
+            result = self.averager.finish(handle, delta, self._allreduce_deadline(time.time(), finish_by))
         allreduce_s = time.monotonic() - allreduce_started
         took_step, reason = self._apply(result, base_hash) if self.node.is_leader else (False, "")
         with self._state_lock:
@@ -343,16 +360,20 @@ class DiLoCoPeer:
         them behind training. Starting much earlier would not help: a group cannot run before its slowest member
         finishes training, and members that finished wait for it.
         """
-        if self.averager is None or self.spec.inner_steps < 2:
+        if self.averager is None or self.max_inner_steps < 2:
             return 0
         if not self._step_time_s:
             return 1
         needed = math.ceil(MATCHMAKING_LEAD_S / self._step_time_s)
-        return max(1, min(self.spec.inner_steps - 1, needed))
+        return max(1, min(self.max_inner_steps - 1, needed))
 
-    def _allreduce_deadline(self, start: float, round_deadline: float | None) -> float:
+    def _allreduce_deadline(self, start: float, finish_by: float | None) -> float:
         budget = start + self.averaging_config.matchmaking_time + self.averaging_config.allreduce_timeout
-        return budget if round_deadline is None else max(min(budget, round_deadline), start + 1.0)
+        return budget if finish_by is None else max(min(budget, finish_by), start + 1.0)
+
+    def assigned_windows(self, round: int) -> list[int]:
+        """The windows this peer must train on in ``round`` (what validators recompute)."""
+        return self.assignment.assigned_windows(self.peer_key, round, self.spec.inner_steps * self.spec.batch_size)
 
     def _shared_state(self) -> tuple[dict, list[torch.Tensor]]:
         """What a joining peer downloads: θ_r, the outer momentum and the round (called on another thread)."""

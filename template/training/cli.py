@@ -1,0 +1,95 @@
+"""The flags that describe a DiLoCo run and its all-reduce, shared by every command that trains.
+
+The engine's peer command spells them ``--seq-len``; the neurons spell them bittensor-style, ``--run.seq_len``.
+Both build the same ``RunSpec`` / ``AveragingConfig`` from the same definitions, so a run configured for the engine
+and one configured for the subnet cannot silently differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from template.training.averaging import AveragingConfig
+from template.training.compression import CODEC_NAMES
+from template.training.diloco import RunSpec
+from template.training.inner import InnerConfig
+from template.training.model import MODEL_PRESETS
+from template.training.outer import OuterConfig
+
+Spelling = Callable[[str, str], str]  # (group, name) -> flag; names read well in both spellings
+
+
+def dashed(group: str, name: str) -> str:
+    """``run``/``id`` → ``--run-id``; other names stand alone: ``seq_len`` → ``--seq-len``."""
+    return f"--{group}-{name}" if name in GROUP_QUALIFIED else "--" + name.replace("_", "-")
+
+
+def dotted(group: str, name: str) -> str:
+    """``run``/``seq_len`` → ``--run.seq_len`` (the bittensor neurons' style)."""
+    return f"--{group}.{name}"
+
+
+GROUP_QUALIFIED = {"id", "seed"}  # too vague without their group in the dashed spelling
+
+
+def add_run_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> None:
+    """What every peer of one run must agree on (they fail fast when they do not)."""
+    run = parser.add_argument_group("run (every peer of a run must use the same values)")
+
+    def add(name: str, **kwargs) -> None:
+        run.add_argument(flag("run", name), dest=f"run_{name}", metavar=name.upper(), **kwargs)
+
+    add("id", default="diloco", help="name of the run; peers average only within it")
+    add("preset", default="tiny", choices=sorted(MODEL_PRESETS), help="model preset (tiny ~1.9M, small ~124M, 1b)")
+    add("data", default="builtin",
+        help="'builtin' (generated text, no download), paths/globs of .txt/.jsonl/.parquet (comma-separated), "
+             "or hf:DATASET[:CONFIG] (streaming)")
+    add("text_column", default="text", help="text column of jsonl/parquet/hf data")
+    add("max_tokens", type=int, default=None, help="use only the first N tokens of the data")
+    add("tokenizer", default="bytes", help="'bytes' (no download) or a Hugging Face tokenizer name")
+    add("seq_len", type=int, default=128, help="tokens per training sequence")
+    add("batch_size", type=int, default=8, help="sequences per inner step for the whole peer")
+    add("inner_steps", type=int, default=50, help="H: inner steps per round (at most)")
+    add("seed", type=int, default=0, help="seed of the data assignment")
+    add("init_seed", type=int, default=0, help="seed of θ_0")
+    add("lr", type=float, default=InnerConfig.lr, help="inner AdamW peak learning rate")
+    add("warmup_steps", type=int, default=InnerConfig.warmup_steps, help="inner learning-rate warmup steps")
+    add("outer_lr", type=float, default=OuterConfig.lr, help="outer Nesterov SGD learning rate")
+    add("outer_momentum", type=float, default=OuterConfig.momentum, help="outer Nesterov momentum")
+
+
+def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> None:
+    """How this peer finds its group and how long each stage of the all-reduce may take."""
+    group = parser.add_argument_group("all-reduce")
+
+    def add(name: str, **kwargs) -> None:
+        group.add_argument(flag("averaging", name), dest=f"averaging_{name}", metavar=name.upper(), **kwargs)
+
+    add("compression", default="fp16", choices=CODEC_NAMES, help="codec of the pseudo-gradient all-reduce")
+    add("matchmaking_time", type=float, default=AveragingConfig.matchmaking_time,
+        help="seconds a group leader waits for peers")
+    add("allreduce_timeout", type=float, default=AveragingConfig.allreduce_timeout,
+        help="seconds the whole all-reduce may take once the group is formed")
+    add("next_chunk_timeout", type=float, default=AveragingConfig.next_chunk_timeout,
+        help="seconds a peer may stay silent during the all-reduce before it is dropped")
+
+
+def run_spec_from(args: argparse.Namespace) -> RunSpec:
+    return RunSpec(
+        run_id=args.run_id, model=args.run_preset, seq_len=args.run_seq_len, run_seed=args.run_seed,
+        init_seed=args.run_init_seed, batch_size=args.run_batch_size, inner_steps=args.run_inner_steps,
+        inner=InnerConfig(lr=args.run_lr, warmup_steps=args.run_warmup_steps),
+        outer=OuterConfig(lr=args.run_outer_lr, momentum=args.run_outer_momentum),
+    )
+
+
+def averaging_config_from(args: argparse.Namespace, expected_peers: int) -> AveragingConfig:
+    """Groups of up to ``expected_peers`` (at least two when more than one peer is expected)."""
+    matchmaking = args.averaging_matchmaking_time
+    return AveragingConfig(
+        compression=args.averaging_compression, matchmaking_time=matchmaking,
+        request_timeout=min(3.0, matchmaking / 2), allreduce_timeout=args.averaging_allreduce_timeout,
+        next_chunk_timeout=args.averaging_next_chunk_timeout,
+        target_group_size=max(expected_peers, 1), min_group_size=min(expected_peers, 2),
+    )

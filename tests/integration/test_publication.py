@@ -1,0 +1,256 @@
+"""The publication RPC between real hivemind hosts on 127.0.0.1, with who-is-who read from the mock chain.
+
+Four neurons, each with its own DHT/libp2p host (``start_dht``): a miner, a validator (staked: validator permit), a
+registered hotkey without a permit, and an outsider that is not registered. The mock chain runs in this process
+behind the real bittensor SDK; every PeerID binding is a real commitment and the miner's hivemind address is its
+served axon, from which the other hosts bootstrap. One event loop thread drives all hivemind calls; every wait is
+bounded (``run(..., timeout)``, fetch timeouts, pytest timeouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import bittensor as bt
+import pytest
+import torch
+
+from template.chain.mock import MockSubstrate
+from template.chain.wallets import create_wallet
+from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
+from template.p2p.identity import PeerDirectory, commit_peer_id, peer_directory, verify
+from template.p2p.publication import (
+    HANDLER_NAME,
+    FetchTimeoutError,
+    NotFoundError,
+    Publication,
+    PublicationServer,
+    RateLimitedError,
+    RefusedError,
+    fetch_publication,
+    permit_holders,
+)
+from template.protocol import PROTOCOL_VERSION, FetchRequest, ProtocolError
+
+pytestmark = pytest.mark.timeout(90)
+
+NETUID = 5
+BASE_HASH = "3f" * 32
+NAMES = ("miner", "validator", "permitless", "outsider")
+
+
+def run(loop: asyncio.AbstractEventLoop, coro, timeout: float = 30.0):
+    """Run a coroutine on the hivemind loop thread and wait for it, at most ``timeout`` seconds."""
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+@dataclass
+class Network:
+    loop: asyncio.AbstractEventLoop
+    mock: MockSubstrate
+    sub: bt.Subtensor
+    wallets: dict[str, bt.Wallet]
+    p2p: dict  # name -> hivemind P2P replica
+    directory: PeerDirectory
+
+    def hotkey(self, name: str) -> str:
+        return self.wallets[name].hotkey.ss58_address
+
+    def fetch(self, caller: str, round: int, *, expected_hotkey: str | None = None, **kwargs) -> Publication:
+        """``caller`` fetches the miner's publication of ``round``, finding the miner's PeerID in the directory."""
+        miner = self.directory.by_hotkey(self.hotkey("miner"))
+        request = FetchRequest(PROTOCOL_VERSION, NETUID, round)
+        kwargs.setdefault("timeout", 15.0)
+        coro = fetch_publication(
+            self.p2p[caller], miner.peer_id, request, expected_hotkey=expected_hotkey or miner.hotkey, **kwargs
+        )
+        return run(self.loop, coro, timeout=30.0)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="hivemind-loop", daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5)
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def network(tmp_path_factory, loop) -> Iterator[Network]:
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("BTCLI_TOKEN_SYMBOLS_CACHE", str(tmp_path_factory.mktemp("cache") / "token_symbols.json"))
+    wallet_dir = tmp_path_factory.mktemp("wallets")
+    wallets = {name: create_wallet(name, "default", wallet_dir) for name in NAMES}
+    mock = MockSubstrate()
+    mock.create_subnet(NETUID, tempo=1000, serving_rate_limit=0)  # no epoch during the test: permits stay put
+    for name, stake in (("miner", 0.0), ("validator", 1000.0), ("permitless", 0.0)):
+        mock.register(NETUID, wallets[name].hotkey.ss58_address, wallets[name].coldkeypub.ss58_address, stake)
+    sub = bt.Subtensor("local", substrate=mock)
+
+    dhts = {"miner": start_dht()}
+    p2p: dict = {}
+    try:
+        # The miner binds its PeerID to its hotkey and serves its hivemind address as its axon ...
+        miner_maddr = visible_maddrs(dhts["miner"])[0]
+        port = int(miner_maddr.split("/tcp/")[1].split("/")[0])
+        commit_peer_id(sub, wallets["miner"], NETUID, str(dhts["miner"].peer_id))
+        assert sub.execute(bt.ServeAxon(netuid=NETUID, ip="127.0.0.1", port=port), wallets["miner"]).success
+        # ... so everyone else bootstraps from the chain alone.
+        bootstrap = peer_directory(sub.subnets.metagraph(NETUID)).bootstrap_maddrs()
+        assert bootstrap == [miner_maddr]
+        for name in NAMES[1:]:
+            dhts[name] = start_dht(DHTConfig(initial_peers=bootstrap))
+        for name in ("validator", "permitless"):
+            commit_peer_id(sub, wallets[name], NETUID, str(dhts[name].peer_id))
+        for name, dht in dhts.items():
+            p2p[name] = run(loop, dht.replicate_p2p())
+        directory = peer_directory(sub.subnets.metagraph(NETUID))
+        yield Network(loop, mock, sub, wallets, p2p, directory)
+    finally:
+        for replica in p2p.values():
+            run(loop, replica.shutdown(), timeout=10)
+        for dht in dhts.values():
+            dht.shutdown()
+        sub.close()
+        monkeypatch.undo()
+
+
+@contextmanager
+def serving(network: Network, **options) -> Iterator[PublicationServer]:
+    """The miner's publication server, authorizing permit holders from the network's directory."""
+    server = PublicationServer(
+        network.p2p["miner"], netuid=NETUID, wallet=network.wallets["miner"],
+        authorize=permit_holders(lambda: network.directory), **options,
+    )
+    run(network.loop, server.start())
+    try:
+        yield server
+    finally:
+        run(network.loop, server.stop())
+
+
+def pseudo_gradient(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Δ for a small model, named as ``model.named_parameters()`` names it; ~3 MiB in fp32, so it spans chunks."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 1500), torch.nn.Linear(1500, 512))
+    return [(name, torch.randn_like(param)) for name, param in model.named_parameters()]
+
+
+def publish(server: PublicationServer, round: int, delta, codec: str = "fp32"):
+    return server.publish(round, BASE_HASH, tokens=8192, inner_steps=20, loss=4.5, named_tensors=delta,
+                          codec=codec, block=100 + round)
+
+
+def test_the_directory_binds_every_registered_host(network):
+    assert {record.hotkey for record in network.directory} == {network.hotkey(n) for n in NAMES[:3]}
+    assert network.directory.by_hotkey(network.hotkey("validator")).validator_permit
+    assert not network.directory.by_hotkey(network.hotkey("permitless")).validator_permit
+    with pytest.raises(bt.ChainError):  # an unregistered hotkey cannot bind its PeerID
+        commit_peer_id(network.sub, network.wallets["outsider"], NETUID, str(network.p2p["outsider"].peer_id))
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16"])
+def test_a_validator_fetches_a_verified_publication(network, codec):
+    delta = pseudo_gradient(seed=3)
+    with serving(network) as server:
+        published = publish(server, 3, delta, codec)
+        publication = network.fetch("validator", 3, expected_layout=[(n, t.shape) for n, t in delta])
+    meta = publication.meta
+    assert meta == published and meta.round == 3 and meta.codec == codec
+    assert meta.hotkey == network.hotkey("miner") and meta.base_theta_hash == BASE_HASH
+    assert verify(network.hotkey("miner"), meta.signing_bytes(), meta.signature)
+    assert publication.peer_id == str(network.p2p["miner"].peer_id) and publication.nonfinite == {}
+    assert list(publication.tensors) == [name for name, _ in delta]
+    for name, expected in delta:
+        if codec == "fp32":
+            assert torch.equal(publication.tensors[name], expected)
+        else:
+            torch.testing.assert_close(publication.tensors[name], expected, rtol=1e-3, atol=1e-4)
+
+
+def test_a_registered_hotkey_without_a_permit_is_refused(network):
+    with serving(network) as server:
+        publish(server, 3, pseudo_gradient(seed=1))
+        with pytest.raises(RefusedError, match="no validator permit"):
+            network.fetch("permitless", 3)
+
+
+def test_an_unregistered_caller_is_refused(network):
+    with serving(network) as server:
+        publish(server, 3, pseudo_gradient(seed=1))
+        with pytest.raises(RefusedError, match="unknown peer"):
+            network.fetch("outsider", 3)
+
+
+def test_an_unknown_round_is_not_found(network):
+    with serving(network) as server:
+        publish(server, 3, pseudo_gradient(seed=1))
+        with pytest.raises(NotFoundError, match=r"round 4 is not published here \(available: \[3\]\)"):
+            network.fetch("validator", 4)
+
+
+def test_the_rate_limit_is_per_peer(network):
+    with serving(network, max_requests_per_minute=2) as server:
+        publish(server, 3, pseudo_gradient(seed=1))
+        network.fetch("validator", 3)
+        with pytest.raises(NotFoundError):
+            network.fetch("validator", 5)  # counts too
+        with pytest.raises(RateLimitedError):
+            network.fetch("validator", 3)
+        with pytest.raises(RefusedError, match="no validator permit"):  # another peer has its own allowance
+            network.fetch("permitless", 3)
+
+
+def test_old_rounds_are_evicted_after_keep_rounds(network):
+    with serving(network, keep_rounds=2) as server:
+        for round in (1, 2, 3):
+            publish(server, round, pseudo_gradient(seed=round))
+        assert server.rounds == [2, 3]
+        with pytest.raises(NotFoundError):
+            network.fetch("validator", 1)
+        assert network.fetch("validator", 2).meta.published_at_block == 102
+        with pytest.raises(ValueError, match="not after the newest"):
+            publish(server, 3, pseudo_gradient(seed=9))  # a publication is final
+
+
+def test_the_validator_never_accepts_what_it_cannot_verify(network):
+    delta = pseudo_gradient(seed=4)
+    with serving(network) as server:
+        publish(server, 3, delta)
+        # The miner's peer is bound to the miner's hotkey; a caller expecting anyone else gets no data.
+        with pytest.raises(ProtocolError, match="names hotkey"):
+            network.fetch("validator", 3, expected_hotkey=network.hotkey("permitless"))
+        with pytest.raises(ProtocolError, match="exceeds the limit"):
+            network.fetch("validator", 3, max_bytes=1 << 20)  # ~3 MiB announced: refused before downloading
+        with pytest.raises(ProtocolError, match="differ from the expected model"):
+            network.fetch("validator", 3, expected_layout=[(n, t.shape) for n, t in delta[:-1]])
+
+
+def test_a_silent_peer_times_out(network):
+    """A miner that accepts the stream but never answers: the fetch ends at its timeout, not later."""
+    release = asyncio.Event()
+
+    async def silent(_info, _reader, writer):
+        try:
+            await asyncio.wait_for(release.wait(), timeout=20)
+        finally:
+            writer.close()
+
+    silent_p2p, caller = network.p2p["permitless"], network.p2p["validator"]
+    run(network.loop, silent_p2p.add_binary_stream_handler(HANDLER_NAME, silent))
+    try:
+        request = FetchRequest(PROTOCOL_VERSION, NETUID, 3)
+        coro = fetch_publication(caller, str(silent_p2p.peer_id), request,
+                                 expected_hotkey=network.hotkey("permitless"), timeout=1.5)
+        with pytest.raises(FetchTimeoutError, match="longer than 1.5s"):
+            run(network.loop, coro, timeout=10)
+    finally:
+        network.loop.call_soon_threadsafe(release.set)
+        run(network.loop, silent_p2p.remove_binary_stream_handler(HANDLER_NAME))

@@ -1,0 +1,140 @@
+"""Smoke test of the benchmarks: each runs with ``--quick`` in its own subprocess and prints one sane JSON object.
+
+The four benchmarks run at the same time (most of their time is process start-up and waiting on loopback), so the
+whole test stays well under a minute. Every check is on the numbers they print: shapes, finiteness, and relations
+that must hold whatever the machine's speed (codec sizes, the analytic byte bounds, losses below chance level).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ("convergence", "allreduce", "round_overhead", "bytes_per_round")
+CHANCE_LOSS = math.log(257)  # uniform over the byte vocabulary: θ_0's loss is about this
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, dict]:
+    started = time.monotonic()
+    processes = {
+        name: subprocess.Popen([sys.executable, "-m", f"benchmarks.{name}", "--quick"], cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name in BENCHMARKS
+    }
+    results = {}
+    try:
+        for name, process in processes.items():
+            stdout, stderr = process.communicate(timeout=max(150 - (time.monotonic() - started), 1))
+            assert process.returncode == 0, f"{name} failed:\n{stderr[-3000:]}"
+            lines = [line for line in stdout.splitlines() if line.strip()]
+            assert len(lines) == 1, f"{name} must print exactly one line of JSON, got {len(lines)}"
+            results[name] = json.loads(lines[0])
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+    return results
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_common(result: dict, name: str) -> None:
+    assert result["benchmark"] == name and result["quick"] is True
+    machine = result["machine"]
+    assert machine["cpus"] >= 1 and machine["device"] == "cpu" and finite(machine["load_average_1m"])
+    assert finite(result["seconds"]) and result["seconds"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_convergence_quick(outputs):
+    result = outputs["convergence"]
+    check_common(result, "convergence")
+    settings, arms = result["settings"], result["arms"]
+    assert set(arms) == {"dp", "single", "diloco_none", "diloco_fp16", "diloco_int8"}
+    for arm in arms.values():
+        assert finite(arm["final_heldout_loss"]) and 0 < arm["final_heldout_loss"] < CHANCE_LOSS
+        assert [point["step"] for point in arm["curve"]] == [
+            settings["inner_steps"] * (r + 1) for r in range(settings["rounds"])
+        ]
+    # same tokens for DP and DiLoCo; one worker sees 1/N of them
+    assert arms["dp"]["tokens"] == arms["diloco_none"]["tokens"] == settings["workers"] * arms["single"]["tokens"]
+    summary = result["summary"]
+    assert summary["communications"] == dict(dp=settings["steps_per_worker"], diloco=settings["rounds"])
+    assert arms["dp"]["bytes_sent_per_peer"] > arms["diloco_none"]["bytes_sent_per_peer"] > 0
+    assert arms["diloco_none"]["bytes_sent_per_peer"] > arms["diloco_fp16"]["bytes_sent_per_peer"]
+    assert arms["diloco_fp16"]["bytes_sent_per_peer"] > arms["diloco_int8"]["bytes_sent_per_peer"]
+    ratio = arms["diloco_none"]["final_heldout_loss"] / arms["dp"]["final_heldout_loss"]
+    assert summary["diloco_over_dp"] == pytest.approx(ratio)
+    assert summary["diloco_over_dp_goal_met"] == (ratio <= 1.02)
+    assert set(summary["codec_loss_change_vs_none"]) == {"fp16", "int8"}
+    assert all(abs(change) < 0.05 for change in summary["codec_loss_change_vs_none"].values())
+
+
+@pytest.mark.timeout(180)
+def test_allreduce_quick(outputs):
+    result = outputs["allreduce"]
+    check_common(result, "allreduce")
+    rows = result["rows"]
+    assert [(r["peers"], r["size"], r["codec"]) for r in rows] == [(2, 100_000, c) for c in ("none", "fp16", "int8")]
+    bytes_per_value = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 256}
+    # worst-case codec error of a mean of N(0, 1) vectors (|x| < 6 here): input and output rounding
+    error_bound = {"none": 1e-6, "fp16": 2 * 6 * 2.0**-11, "int8": 6 / 127}
+    for r in rows:
+        assert r["failures"] == [] and r["identical"] is True
+        assert finite(r["seconds"]) and r["seconds"] > 0 and finite(r["gloo_s"]) and r["gloo_s"] > 0
+        assert r["hivemind_over_gloo"] == pytest.approx(r["seconds"] / r["gloo_s"])
+        assert 0 <= r["max_abs_error"] <= error_bound[r["codec"]]
+        assert r["gloo_max_abs_error"] <= 1e-6
+        # 2(N-1)/N x size x codec bytes, plus a little protobuf framing
+        assert 1.0 <= r["bytes_over_float32_bound"] / (bytes_per_value[r["codec"]] / 4) <= 1.01
+    summary = result["summary"]
+    assert summary["default_codec"] in ("none", "fp16", "int8") and summary["failed_allreduces"] == 0
+    assert summary["all_identical"] is True
+    assert summary["goal_met"] == (summary["worst_default_codec_over_gloo"] <= 3.0)
+
+
+@pytest.mark.timeout(180)
+def test_round_overhead_quick(outputs):
+    result = outputs["round_overhead"]
+    check_common(result, "round_overhead")
+    (tiny,) = result["configs"]
+    assert tiny["model"] == "tiny" and tiny["finished"] is True and tiny["failed_allreduces"] == 0
+    assert tiny["samples"] == tiny["peers"] * (tiny["rounds"] - 1)
+    assert 0 < tiny["allreduce_s"] < tiny["overhead_s"] <= tiny["overhead_s_max"]
+    assert tiny["t_step_s"] > 0 and tiny["t_step_solo_s"] > 0
+    assert tiny["overhead_steps"] == pytest.approx(tiny["overhead_s"] / tiny["t_step_s"])
+    utilization = tiny["utilization"]
+    assert 0 < utilization["H100"] < utilization["H500"] < 1
+    h100 = 100 * tiny["t_step_s"] / (100 * tiny["t_step_s"] + tiny["overhead_s"])
+    assert utilization["H100"] == pytest.approx(h100)
+    assert result["summary"]["goal_met"] == (tiny["overhead_steps"] <= 5.0)
+
+
+@pytest.mark.timeout(180)
+def test_bytes_per_round_quick(outputs):
+    result = outputs["bytes_per_round"]
+    check_common(result, "bytes_per_round")
+    codecs = {m["codec"]: m for m in result["codecs"]}
+    assert set(codecs) == {"none", "fp16", "int8"}
+    for m in codecs.values():
+        assert m["finished"] is True and m["errors"] == {}
+        assert 1.0 <= m["measured_over_analytic"] <= 1.01  # framing overhead only
+    assert codecs["none"]["bytes_per_round_per_peer"] > codecs["fp16"]["bytes_per_round_per_peer"]
+    assert codecs["fp16"]["bytes_per_round_per_peer"] > codecs["int8"]["bytes_per_round_per_peer"]
+    # data-parallel sends float32 gradients every step: H x 4 / (codec bytes per value) times more per round
+    h = result["settings"]["inner_steps"]
+    assert codecs["none"]["dp_over_diloco"] == pytest.approx(h, rel=0.01)
+    assert codecs["fp16"]["dp_over_diloco"] == pytest.approx(2 * h, rel=0.01)
+    analytic = result["analytic"]
+    assert analytic["tiny"]["params"] == codecs["none"]["params"] and analytic["small"]["params"] > 50_000_000
