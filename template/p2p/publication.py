@@ -1,9 +1,9 @@
 """The pseudo-gradient publication RPC: a miner serves its signed Δ of recent rounds, a validator fetches one.
 
-Wire protocol (one libp2p stream per fetch, handler :data:`HANDLER_NAME` on the neuron's hivemind host). Frames use
-hivemind's protobuf stream framing — a 1-byte marker (``0x00`` message, ``0x01`` error), an 8-byte big-endian length,
-then a protobuf — so the handler also answers hivemind's own ``P2P.iterate_protobuf_handler``. Messages reuse
-hivemind's ``runtime_pb2`` (no new protos):
+Wire protocol (one libp2p stream per fetch, handler :data:`HANDLER_NAME` on the neuron's hivemind host). Frames are
+those of hivemind's protobuf stream handlers — a 1-byte marker (``0x00`` message, ``0x01`` error), an 8-byte
+big-endian length, then a protobuf — so hivemind's ``P2P.send_protobuf``/``receive_protobuf`` speak it too. Messages
+reuse hivemind's ``runtime_pb2`` (no new protos):
 
 - caller → miner: ``ExpertRequest(metadata=FetchRequest JSON)``, then hivemind's end-of-stream frame;
 - miner → caller: ``ExpertResponse(metadata=FetchReply JSON)``; when the status is ``ok``, the reply carries the
@@ -184,11 +184,12 @@ def _parse(message_type, body: bytes, is_error: bool, what: str):
 async def _read_request(reader: asyncio.StreamReader, limit: int) -> FetchRequest:
     """The caller's request frame, then its end-of-stream frame (hivemind's empty error frame), both bounded."""
     body, is_error = await _read_frame(reader, limit)
-    request = FetchRequest.decode(_parse(runtime_pb2.ExpertRequest, body, is_error, "request").metadata)
-    body, is_error = await _read_frame(reader, _FRAME_OVERHEAD)
-    if not is_error or body != P2P.END_OF_STREAM.SerializeToString():
+    if is_error:
+        raise ProtocolError("expected the request, got an error frame")
+    end, end_is_error = await _read_frame(reader, _FRAME_OVERHEAD)  # consumed before judging the request
+    if not end_is_error or end != P2P.END_OF_STREAM.SerializeToString():
         raise ProtocolError("a request must be followed by the end-of-stream frame")
-    return request
+    return FetchRequest.decode(_parse(runtime_pb2.ExpertRequest, body, False, "request").metadata)
 
 
 async def _send_reply(writer: asyncio.StreamWriter, reply: FetchReply) -> None:
@@ -316,8 +317,8 @@ class PublicationServer:
         with closing(writer):
             try:
                 await asyncio.wait_for(self._serve(remote, reader, writer), self.response_timeout)
-            except asyncio.TimeoutError:
-                log.info("publication request from %s took longer than %.0fs: closed", remote, self.response_timeout)
+            except asyncio.TimeoutError:  # request_timeout or response_timeout
+                log.info("publication stream from %s timed out: closed", remote)
             except (ConnectionError, asyncio.IncompleteReadError) as err:
                 log.debug("publication stream from %s broke: %r", remote, err)
             except Exception:  # a peer must never take the listener down; log it and close this stream only
@@ -326,17 +327,21 @@ class PublicationServer:
     async def _serve(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # The caller's whole input is read (bounded) before any answer: closing a stream with unread input makes
         # the daemon reset it, which can destroy the answer in flight, e.g. a refusal sent before the request came.
+        request: FetchRequest | None = None
+        problem = ""
         try:
             request = await asyncio.wait_for(_read_request(reader, self.max_request_bytes), self.request_timeout)
         except ProtocolError as err:
-            return await _send_reply(writer, _reply(ReplyStatus.BAD_REQUEST, str(err)))
-        if not self._limiter.allow(remote):
+            problem = str(err)
+        if not self._limiter.allow(remote):  # malformed requests count too
             log.debug("rate limit: %s", remote)
             return await _send_reply(writer, _reply(ReplyStatus.RATE_LIMITED, "too many requests: slow down"))
         decision = self.authorize(remote)
         if not decision.allowed:
             log.info("refused %s: %s", remote, decision.reason)
             return await _send_reply(writer, _reply(ReplyStatus.REFUSED, decision.reason or "not authorized"))
+        if request is None:
+            return await _send_reply(writer, _reply(ReplyStatus.BAD_REQUEST, problem))
         if request.netuid != self.netuid:
             reason = f"this miner serves netuid {self.netuid}, not {request.netuid}"
             return await _send_reply(writer, _reply(ReplyStatus.BAD_REQUEST, reason))

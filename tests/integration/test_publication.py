@@ -10,14 +10,17 @@ bounded (``run(..., timeout)``, fetch timeouts, pytest timeouts).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 
 import bittensor as bt
 import pytest
 import torch
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
 
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
@@ -34,7 +37,7 @@ from template.p2p.publication import (
     fetch_publication,
     permit_holders,
 )
-from template.protocol import PROTOCOL_VERSION, FetchRequest, ProtocolError
+from template.protocol import PROTOCOL_VERSION, FetchReply, FetchRequest, ProtocolError, ReplyStatus
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -231,6 +234,47 @@ def test_the_validator_never_accepts_what_it_cannot_verify(network):
             network.fetch("validator", 3, max_bytes=1 << 20)  # ~3 MiB announced: refused before downloading
         with pytest.raises(ProtocolError, match="differ from the expected model"):
             network.fetch("validator", 3, expected_layout=[(n, t.shape) for n, t in delta[:-1]])
+
+
+def raw_exchange(network: Network, frame: bytes) -> FetchReply:
+    """Send raw bytes to the miner's handler from the validator's host; read the first answer with hivemind's reader."""
+
+    async def exchange() -> FetchReply:
+        _, reader, writer = await network.p2p["validator"].call_binary_stream_handler(
+            network.p2p["miner"].peer_id, HANDLER_NAME
+        )
+        with closing(writer):
+            writer.write(frame)
+            await writer.drain()
+            response, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+        assert error is None
+        return FetchReply.decode(response.metadata)
+
+    return run(network.loop, exchange(), timeout=15)
+
+
+def message_frame(message) -> bytes:
+    body = message.SerializeToString()
+    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
+
+
+def test_malformed_requests_get_a_clear_bad_request(network):
+    end_of_stream = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+    with serving(network, max_request_bytes=256) as server:
+        publish(server, 3, pseudo_gradient(seed=1))
+        huge = P2P.MESSAGE_MARKER + (10 << 20).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)  # announced, never sent
+        reply = raw_exchange(network, huge)
+        assert reply.status == ReplyStatus.BAD_REQUEST and "exceeds the limit of 256" in reply.reason
+        future = json.dumps({"version": PROTOCOL_VERSION + 1, "netuid": NETUID, "round": 3}).encode()
+        reply = raw_exchange(network, message_frame(runtime_pb2.ExpertRequest(metadata=future)) + end_of_stream)
+        assert reply.status == ReplyStatus.BAD_REQUEST and "not supported" in reply.reason
+        reply = raw_exchange(network, message_frame(runtime_pb2.ExpertRequest(metadata=b"{")) + end_of_stream)
+        assert reply.status == ReplyStatus.BAD_REQUEST and "JSON" in reply.reason
+        other_subnet = FetchRequest(PROTOCOL_VERSION, NETUID + 1, 3)
+        with pytest.raises(ProtocolError, match=f"serves netuid {NETUID}, not {NETUID + 1}"):
+            run(network.loop, fetch_publication(network.p2p["validator"], network.p2p["miner"].peer_id,
+                                                other_subnet, expected_hotkey=network.hotkey("miner"), timeout=10))
+        assert network.fetch("validator", 3).meta.round == 3  # the handler is still serving
 
 
 def test_a_silent_peer_times_out(network):
