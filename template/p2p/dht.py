@@ -12,14 +12,18 @@ last cause chained) and no node from this call is left running.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
 
 import hivemind
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
-__all__ = ["DHTConfig", "DHTStartError", "start_dht", "visible_maddrs"]
+__all__ = ["DHTConfig", "DHTStartError", "connect_peers", "start_dht", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,3 +106,34 @@ def visible_maddrs(dht: hivemind.DHT, timeout_s: float = 10.0) -> list[str]:
         raise DHTStartError(f"the DHT process is not running (exit code {dht.exitcode})")
     future = dht.run_coroutine(partial(hivemind.DHT._get_visible_maddrs, latest=False), return_future=True)
     return [str(maddr) for maddr in future.result(timeout=timeout_s)]
+
+
+def connect_peers(dht: hivemind.DHT, maddrs: list[str], timeout_s: float = 15.0) -> int:
+    """Dial peers that came up after this node started and add them to its routing table; returns how many answered.
+
+    Neurons bootstrap from the axons on chain when they start, but two neurons that start at the same moment see
+    each other's axon only later: calling this with the current axons every round joins the DHTs together. A peer
+    that cannot be dialed is skipped (logged); the whole call is bounded by ``timeout_s``.
+    """
+    own = str(dht.peer_id)
+    targets = [maddr for maddr in maddrs if Multiaddr(maddr)["p2p"] != own]
+    if not targets:
+        return 0
+    return dht.run_coroutine(partial(_dial_all, maddrs=targets), return_future=True).result(timeout=timeout_s)
+
+
+async def _dial_all(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str]) -> int:
+    """Runs inside the DHT process (hence module-level, with plain-string arguments)."""
+
+    async def dial(maddr: str) -> bool:
+        address = Multiaddr(maddr)
+        peer_id = PeerID.from_base58(address["p2p"])
+        try:
+            # hivemind has no public "connect to this address": use the daemon client it uses itself
+            await node.p2p._client.connect(peer_id, [address.decapsulate(Multiaddr(f"/p2p/{address['p2p']}"))])
+            return await node.protocol.call_ping(peer_id) is not None
+        except Exception as e:  # an unreachable or misbehaving peer must not stop the others
+            logger.info("could not reach peer at %s: %r", maddr, e)
+            return False
+
+    return sum(await asyncio.gather(*(dial(maddr) for maddr in maddrs)))

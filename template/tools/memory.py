@@ -58,8 +58,12 @@ ASSUMPTIONS: tuple[str, ...] = (
     "one layer at a time during backward",
     "the loss is cross-entropy over fp32 logits: 12 x batch x seq x vocab bytes at the start of backward "
     "(log-softmax output, its gradient and the incoming gradient), 8-10 during the forward pass",
+    "with tied embeddings (small), the LM head's fp32 weight gradient is held until the embedding's is added to it",
     f"CUDA context + fragmentation allowance: {CUDA_CONTEXT_BYTES / GIB:.1f} GiB + {FRAGMENTATION:.0%} of the "
-    "allocated peak (an allowance, not a measurement)",
+    "allocated peak (an allowance, not a measurement); it also has to cover kernel workspaces (cuBLAS, flash "
+    "backward) and, with gradient accumulation, one weight-sized gradient temporary per later micro-batch",
+    "the activation terms are checked byte for byte against forward+backward on CPU (torch 2.13, transformers "
+    "5.x, CPU bf16 autocast standing in for CUDA's); nothing here was measured on a GPU",
     "host RAM: theta_r + Nesterov momentum (8 bytes/param) and the averaging buffers (4 bytes/param) stay; a "
     "round boundary adds Delta, the averaged copy and the outer-step gradients (12 bytes/param); writing a "
     "checkpoint adds clones of theta_r, momentum and AdamW moments (16) while Delta and its average are still "
@@ -189,6 +193,10 @@ def activation_peak(
 
     With activation checkpointing only each layer's fp32 input (4h) is kept; backward recomputes one layer at
     a time, with its bf16 weight copies under autocast. Without it, every layer's tensors stay until backward.
+
+    With tied embeddings, autograd holds the LM head's fp32 V×h weight gradient from the LM head's backward to
+    the end of backward, where it is summed with the embedding's into the one gradient (untied, each becomes its
+    parameter's gradient at once): one more weight-sized buffer during the layers' backward.
     """
     if micro_batch < 1 or seq_len < 1 or vocab_size < 1:
         raise ValueError(f"micro_batch, seq_len and vocab_size must be positive, got {micro_batch}, {seq_len}, "
@@ -215,25 +223,27 @@ def activation_peak(
     weights_lm_head = BF16 * V * h if autocast_bf16 else 0
     weights_layer = BF16 * s.layer_linear_weights if autocast_bf16 else 0
 
+    tied_grad = FP32 * V * h if get_spec(preset).tie_embeddings else 0
+    # (phase, bytes per token, bytes per micro-batch besides RoPE and weight copies, bf16 weight copies)
     if activation_checkpointing:
         kept = L * layer_input
         phases = [
-            ("forward end", kept + head + logits_forward, weights_all),  # the autocast cache holds every copy
-            ("loss backward", kept + head + logits_backward, weights_lm_head),
-            ("layer backward", kept - layer_input + layer + layer_backward_extra, weights_layer),
+            ("forward end", kept + head + logits_forward, 0, weights_all),  # the autocast cache holds every copy
+            ("loss backward", kept + head + logits_backward, 0, weights_lm_head),
+            ("layer backward", kept - layer_input + layer + layer_backward_extra, tied_grad, weights_layer),
         ]
     else:
         kept = L * layer
         phases = [
-            ("forward end", kept + head + logits_forward, weights_all),
-            ("loss backward", kept + head + logits_backward, weights_all),
-            ("layer backward", kept + layer_backward_extra, weights_all - weights_lm_head),
+            ("forward end", kept + head + logits_forward, 0, weights_all),
+            ("loss backward", kept + head + logits_backward, 0, weights_all),
+            ("layer backward", kept + layer_backward_extra, tied_grad, weights_all - weights_lm_head),
         ]
     tokens = micro_batch * seq_len
-    fixed = 2 * FP32 * seq_len * s.head_dim  # RoPE cos and sin, broadcast over the batch
+    rope = 2 * FP32 * seq_len * s.head_dim  # cos and sin, broadcast over the batch
     per_token_inputs = 2 * 8  # int64 input ids and labels
-    name, per_token, weights = max(phases, key=lambda p: tokens * p[1] + p[2])
-    return ActivationPeak(name, tokens * (per_token + per_token_inputs) + fixed, weights)
+    name, per_token, per_batch, weights = max(phases, key=lambda p: tokens * p[1] + p[2] + p[3])
+    return ActivationPeak(name, tokens * (per_token + per_token_inputs) + per_batch + rope, weights)
 
 
 def estimate_memory(
@@ -251,21 +261,23 @@ def estimate_memory(
     if gpu_gb <= 0:
         raise ValueError(f"gpu_gb must be positive, got {gpu_gb}")
 
-    def gpu_bytes(batch: int) -> tuple[int, ActivationPeak]:
+    def gpu_bytes(batch: int) -> tuple[int, int, ActivationPeak]:
+        """(allocated peak, total with the CUDA allowance, activation peak) at micro-batch ``batch``."""
         peak = activation_peak(preset, vocab_size=vocab_size, seq_len=seq_len, micro_batch=batch,
                                activation_checkpointing=activation_checkpointing, autocast_bf16=autocast_bf16)
         allocated = state + max(peak.activations + peak.weight_copies, step_transient)
-        return allocated + CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated), peak
+        return allocated, allocated + CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated), peak
 
     spec = get_spec(preset)
     n = parameter_count(spec, vocab_size)
     state = 4 * n * FP32  # parameters, gradients, AdamW's two moments
     step_transient = FP32 * _matrix_parameter_count(spec, vocab_size)
     budget = gpu_gb * GIB
-    total, peak = gpu_bytes(micro_batch)
-    max_batch = _largest_fitting(lambda b: gpu_bytes(b)[0] <= budget)
+    allocated, total, peak = gpu_bytes(micro_batch)
+    max_batch = _largest_fitting(lambda b: gpu_bytes(b)[1] <= budget)
 
     round_transients = 3 * FP32 * n
+    # clones of θ_r, momentum and both AdamW moments, while Δ and Δ̄ are still referenced
     checkpoint_transients = (4 + 2) * FP32 * n if checkpoint_to_disk else 0
     cpu_outer, cpu_buffers = 2 * FP32 * n, FP32 * n
     return MemoryEstimate(
@@ -285,7 +297,7 @@ def estimate_memory(
         activation_phase=peak.phase,
         autocast_weight_copies=peak.weight_copies,
         optimizer_step_transient=step_transient,
-        cuda_overhead=total - state - max(peak.activations + peak.weight_copies, step_transient),
+        cuda_overhead=total - allocated,
         gpu_total=total,
         fits=total <= budget,
         max_micro_batch=max_batch,
@@ -313,7 +325,7 @@ def _largest_fitting(fits) -> int:
 
 def format_table(est: MemoryEstimate) -> str:
     def row(label: str, nbytes: int, note: str = "") -> str:
-        return f"  {label:<44}{nbytes / GIB:>9.2f}  {note}".rstrip()
+        return f"  {label:<52}{nbytes / GIB:>9.2f}  {note}".rstrip()
 
     on = {True: "on", False: "off"}
     working = est.activations + est.autocast_weight_copies
@@ -322,7 +334,7 @@ def format_table(est: MemoryEstimate) -> str:
         f"preset {est.preset}: {est.num_parameters:,} parameters, vocab {est.vocab_size}, seq {est.seq_len}, "
         f"micro-batch {est.micro_batch}, activation checkpointing {on[est.activation_checkpointing]}, "
         f"bf16 autocast {on[est.autocast_bf16]}",
-        f"  {'GPU':<44}{'GiB':>9}",
+        f"  {'GPU':<52}{'GiB':>9}",
         row("parameters (fp32)", est.parameters),
         row("gradients (fp32)", est.gradients),
         row("AdamW state (2 x fp32)", est.optimizer_state),
@@ -333,11 +345,12 @@ def format_table(est: MemoryEstimate) -> str:
         row(f"CUDA context + fragmentation ({FRAGMENTATION:.0%})", est.cuda_overhead),
         row("GPU total", est.gpu_total, f"of {est.gpu_gb:g} GiB: fits {'yes' if est.fits else 'no'}"),
         f"  max micro-batch that fits: {est.max_micro_batch} (at seq {est.seq_len})",
-        f"  {'CPU (host RAM)':<44}{'GiB':>9}",
+        f"  {'CPU (host RAM)':<52}{'GiB':>9}",
         row("outer theta_r + Nesterov momentum (fp32)", est.cpu_outer_state),
         row("averaging buffers (fp32)", est.cpu_averaging_buffers),
         row("round boundary: Delta, averaged Delta, outer grads", est.cpu_round_transients),
-        row("checkpoint write: clones + Delta still held", est.cpu_checkpoint_transients),
+        row("checkpoint write: clones + Delta still held", est.cpu_checkpoint_transients,
+            "the larger of the two transients counts"),
         row("CPU total (peak)", est.cpu_total),
     ]
     return "\n".join(lines)
@@ -356,8 +369,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="GPU memory in GiB as the card reports it (nvidia-smi MiB / 1024); default 24")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per training sequence (default 1024)")
     parser.add_argument("--micro-batch", type=int, default=4,
-                        help="sequences per forward/backward on the GPU (default 4); gradient accumulation "
-                             "over several micro-batches costs no extra memory")
+                        help="sequences per forward/backward on the GPU (default 4); accumulating gradients "
+                             "over several micro-batches adds (almost) nothing")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="tokenizer vocabulary (default: the size the preset was designed for)")
     parser.add_argument("--no-checkpointing", action="store_true",

@@ -96,6 +96,7 @@ class RoundReport:
     """What one round did, for logs, progress lines and benchmarks."""
 
     round: int
+    base_theta_hash: str  # θ_r the round started from
     inner_steps: int
     tokens: int
     train_loss: float | None
@@ -170,6 +171,7 @@ class DiLoCoPeer:
         self.window_selector: Callable[[int], list[int]] | None = None
         self.max_inner_steps = spec.inner_steps
         self.last_delta: list[torch.Tensor] | None = None  # Δ of the last round (leader), for publication
+        self.last_averaged: list[torch.Tensor] | None = None  # the group's Δ̄ of the last round, if it succeeded
 
         self.dht = dht
         self.averager: PseudoGradientAverager | None = None
@@ -276,6 +278,7 @@ class DiLoCoPeer:
             result = self.averager.finish(handle, delta, self._allreduce_deadline(time.time(), finish_by))
         allreduce_s = time.monotonic() - allreduce_started
         took_step, reason = self._apply(result, base_hash) if self.node.is_leader else (False, "")
+        self.last_averaged = result.averaged if took_step and result is not None else None
         with self._state_lock:
             self.round = r + 1  # after a failed round θ_r is kept, but the next round's data is new for everyone
         self._resync_needed = self.node.is_leader and not took_step
@@ -289,7 +292,8 @@ class DiLoCoPeer:
         heldout = self.evaluate_heldout(r) if self.heldout_batches else None
         self.save()
         return RoundReport(
-            round=r, inner_steps=steps, tokens=tokens, train_loss=train_loss, heldout_loss=heldout,
+            round=r, base_theta_hash=base_hash, inner_steps=steps, tokens=tokens, train_loss=train_loss,
+            heldout_loss=heldout,
             allreduce_ok=took_step, reason=reason, group_size=result.group_size if result else 0,
             allreduce_s=allreduce_s, round_s=time.monotonic() - round_started, inner_s=inner_s,
             bytes_sent=result.bytes_sent if result else 0, theta_hash=self.outer.theta_hash(),

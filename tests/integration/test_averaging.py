@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
-from template.p2p.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
+from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
 from template.training.averaging import (
     AveragingConfig,
     AveragingResult,
@@ -374,6 +375,19 @@ def test_dht_is_loopback_only_and_start_failures_are_bounded():
         dht.shutdown()
     with pytest.raises(DHTStartError, match="not running"):
         visible_maddrs(dht)  # a dead node is reported, not waited on forever
+
+
+@pytest.mark.timeout(90)
+def test_nodes_started_apart_join_through_connect_peers():
+    first, second = start_dht(), start_dht()  # no initial peers: two separate networks
+    try:
+        assert connect_peers(first, visible_maddrs(second) + visible_maddrs(first)) == 1  # own address skipped
+        first.store("joined", "yes", expiration_time=get_dht_time() + 60)
+        found = second.get("joined", latest=True)
+        assert found is not None and found.value == "yes"
+    finally:
+        first.shutdown()
+        second.shutdown()
 
     # a bootstrap peer that does not exist: every attempt fails fast, then one clean error
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"

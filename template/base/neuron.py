@@ -1,0 +1,219 @@
+"""What miners and validators share: chain, wallet, the hivemind host bound to the hotkey, the round clock, signals.
+
+Start-up order (``start_neuron``): open the wallet, connect to the chain, require a uid (a clear
+``NotRegisteredError`` otherwise), read who-is-who from the metagraph (PeerID commitments + axons), start the
+hivemind host bootstrapped from the other neurons' axons, publish our address with ``ServeAxon`` and bind our PeerID
+to our hotkey with a commitment. Rounds are counted from chain blocks: ``round = block // blocks_per_round``, so
+every neuron agrees on the round without a coordinator.
+
+On failure: a chain that cannot be reached is retried by the chain facade and then raises; an axon that the chain
+refuses to re-serve (serving rate limit) is logged and the previous record stands; SIGINT/SIGTERM set a stop flag that
+the loops check between steps, so a neuron leaves its round cleanly and closes its host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import bittensor as bt
+import hivemind
+
+from template.chain.client import ChainClient
+from template.chain.wallets import open_wallet
+from template.config import ChainArgs, add_chain_args, chain_args_from
+from template.p2p.dht import DHTConfig, connect_peers, start_dht, visible_maddrs
+from template.p2p.identity import PeerDirectory, commit_peer_id, peer_directory
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def add_neuron_args(parser: argparse.ArgumentParser) -> None:
+    """Chain, wallet, axon and neuron flags (bittensor style)."""
+    add_chain_args(parser)
+    axon = parser.add_argument_group("axon (this neuron's hivemind host)")
+    axon.add_argument("--axon.ip", dest="axon_ip", default="127.0.0.1",
+                      help="address the host listens on (0.0.0.0 on a server; default %(default)s)")
+    axon.add_argument("--axon.port", dest="axon_port", type=int, default=0,
+                      help="TCP port to listen on; open it in your firewall (0 = any free port)")
+    axon.add_argument("--axon.external_ip", dest="axon_external_ip", default=None,
+                      help="public IP that peers dial, served on chain (default: --axon.ip)")
+    neuron = parser.add_argument_group("neuron")
+    neuron.add_argument("--neuron.device", dest="neuron_device", default="cpu", help="cpu, cuda or cuda:N")
+    neuron.add_argument("--neuron.full_path", dest="neuron_full_path", default=None,
+                        help="state directory (checkpoints, scores); default ~/.diloco/<wallet>/<hotkey>/netuid<N>")
+    neuron.add_argument("--neuron.blocks_per_round", dest="neuron_blocks_per_round", type=int, default=25,
+                        help="chain blocks per DiLoCo round (every neuron of the subnet must agree)")
+    neuron.add_argument("--neuron.max_rounds", dest="neuron_max_rounds", type=int, default=0,
+                        help="stop after this many rounds (0 = run until stopped)")
+    neuron.add_argument("--neuron.events_file", dest="neuron_events_file", default=None,
+                        help="append one JSON line per event (ready, round, ...) to this file, for tools and tests")
+    neuron.add_argument("--neuron.torch_threads", dest="neuron_torch_threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--logging.debug", dest="logging_debug", action="store_true", help="debug logging")
+
+
+def state_dir(args: argparse.Namespace, chain_args: ChainArgs) -> Path:
+    if args.neuron_full_path:
+        return Path(args.neuron_full_path).expanduser()
+    wallet = chain_args.wallet
+    return Path("~/.diloco").expanduser() / wallet.name / wallet.hotkey / f"netuid{chain_args.netuid}"
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; loops check it between steps instead of being killed mid-write."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._event.set())
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True if a stop was requested meanwhile."""
+        return self._event.wait(max(seconds, 0.0))
+
+
+class AsyncRunner:
+    """One event-loop thread for the hivemind calls that are async (P2P replicas, the publication RPC)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="neuron-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+@dataclass(frozen=True)
+class RoundTime:
+    round: int
+    block: int
+    round_end: float  # time.time() estimate of the round's last block
+    seconds_per_block: float
+
+
+class RoundClock:
+    """Rounds from chain blocks: round r spans blocks [r·B, (r+1)·B)."""
+
+    def __init__(self, chain: ChainClient, blocks_per_round: int) -> None:
+        if blocks_per_round < 2:
+            raise ValueError("--neuron.blocks_per_round must be at least 2")
+        self.chain = chain
+        self.blocks_per_round = blocks_per_round
+        self.seconds_per_block = float(chain.subtensor.block_time())
+
+    def now(self) -> RoundTime:
+        block = self.chain.block()
+        round = block // self.blocks_per_round
+        blocks_left = (round + 1) * self.blocks_per_round - block
+        return RoundTime(round, block, time.time() + blocks_left * self.seconds_per_block, self.seconds_per_block)
+
+    def wait_for_round(self, round: int, stop: StopFlag, timeout_s: float) -> RoundTime | None:
+        """Block until the chain reaches ``round`` (or later); None on stop or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = self.now()
+            if now.round >= round:
+                return now
+            if stop.sleep(min(self.seconds_per_block / 2, 1.0)):
+                return None
+        return None
+
+
+@dataclass
+class NeuronContext:
+    """A started neuron: everything its role-specific loop needs."""
+
+    args: argparse.Namespace
+    chain_args: ChainArgs
+    wallet: bt.Wallet
+    chain: ChainClient
+    uid: int
+    dht: hivemind.DHT
+    runner: AsyncRunner
+    state_dir: Path
+    stop: StopFlag
+
+    @property
+    def hotkey(self) -> str:
+        return self.wallet.hotkey.ss58_address
+
+    def directory(self) -> PeerDirectory:
+        return peer_directory(self.chain.metagraph())
+
+    def join_peers(self, directory: PeerDirectory) -> int:
+        """Dial the neurons the chain lists (axon + PeerID), so neurons that started together find each other."""
+        return connect_peers(self.dht, directory.bootstrap_maddrs(exclude_peer_id=str(self.dht.peer_id)))
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """One JSON line in ``--neuron.events_file`` (nothing without it)."""
+        path = self.args.neuron_events_file
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(dict(event=event, time=time.time(), **fields)) + "\n")
+
+    def close(self) -> None:
+        self.dht.shutdown()
+        self.runner.close()
+        self.chain.close()
+
+
+def start_neuron(args: argparse.Namespace, stop: StopFlag) -> NeuronContext:
+    """Everything before the role's loop (see the module docstring); raises NotRegisteredError, NetworkConfigError."""
+    chain_args = chain_args_from(args)
+    wallet = open_wallet(chain_args.wallet.name, chain_args.wallet.hotkey, chain_args.wallet.path)
+    chain = ChainClient.connect(chain_args.subtensor.network, chain_args.netuid)
+    graph = chain.metagraph()
+    uid = chain.require_uid(wallet.hotkey.ss58_address, graph)
+    directory = peer_directory(graph)
+    bootstrap = directory.bootstrap_maddrs()
+    log.info("uid %d on netuid %d; bootstrapping from %d peers", uid, chain_args.netuid, len(bootstrap))
+    external_ip = args.axon_external_ip or args.axon_ip
+    announce = [f"/ip4/{external_ip}/tcp/{args.axon_port}"] if args.axon_port and args.axon_external_ip else []
+    dht = start_dht(DHTConfig(host_maddrs=[f"/ip4/{args.axon_ip}/tcp/{args.axon_port}"], announce_maddrs=announce,
+                              initial_peers=bootstrap))
+    runner = AsyncRunner()
+    try:
+        port = int(visible_maddrs(dht)[0].split("/tcp/")[1].split("/")[0])
+        serve_axon_once(chain, wallet, graph, uid, external_ip, port)
+        commit_peer_id(chain.subtensor, wallet, chain_args.netuid, str(dht.peer_id))
+    except BaseException:
+        dht.shutdown()
+        runner.close()
+        raise
+    directory_path = state_dir(args, chain_args)
+    directory_path.mkdir(parents=True, exist_ok=True)
+    return NeuronContext(args, chain_args, wallet, chain, uid, dht, runner, directory_path, stop)
+
+
+def serve_axon_once(chain: ChainClient, wallet: bt.Wallet, graph: bt.Metagraph, uid: int, ip: str, port: int) -> None:
+    """Serve ``ip:port`` unless the chain already holds it; a refusal (serving rate limit) is logged, not fatal."""
+    if graph.neuron(uid).axon == f"{ip}:{port}":
+        return
+    try:
+        chain.serve_axon(wallet, ip, port)
+    except bt.ChainError as err:
+        log.warning("could not serve axon %s:%d (%s); peers will use the previous record", ip, port, err)

@@ -1,0 +1,143 @@
+"""Two miner processes on the mock chain (served on 127.0.0.1), as an operator would run them.
+
+They register axons and PeerIDs on chain, find each other through the metagraph alone, train the tiny model on the
+chain's round clock, all-reduce and end the round with identical θ. A validator-permit holder fetches a miner's
+pseudo-gradient over the authenticated RPC and its hotkey signature verifies; a registered hotkey without a permit is
+refused. SIGTERM stops a miner cleanly and leaves a loadable checkpoint; an unregistered hotkey gets a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bittensor as bt
+import pytest
+
+from template.base.miner import DIRECTORY_REFRESH_S
+from template.base.neuron import AsyncRunner
+from template.chain.mock import MockSubstrate
+from template.chain.mock_server import MockChainServer
+from template.chain.wallets import create_wallet
+from template.p2p.dht import DHTConfig, start_dht
+from template.p2p.identity import commit_peer_id, peer_directory
+from template.p2p.publication import RefusedError, fetch_publication
+from template.protocol import PROTOCOL_VERSION, FetchRequest
+from template.training.checkpoint import load_latest_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+NETUID = 2
+SECONDS_PER_BLOCK = 0.5
+BLOCKS_PER_ROUND = 24  # 12 s rounds: a few s of training, the rest for re-sync, matchmaking and a loaded machine
+
+
+def miner_command(name: str, tmp: Path, url: str, *extra: str) -> list[str]:
+    return [sys.executable, "neurons/miner.py", "--netuid", str(NETUID), "--wallet.name", name,
+            "--wallet.hotkey", "default", "--wallet.path", str(tmp / "wallets"), "--subtensor.network", url,
+            "--neuron.full_path", str(tmp / name), "--neuron.blocks_per_round", str(BLOCKS_PER_ROUND),
+            "--neuron.events_file", str(tmp / f"{name}.events"), "--neuron.torch_threads", "1",
+            "--run.inner_steps", "10", "--run.seq_len", "64", "--averaging.matchmaking_time", "3", *extra]
+
+
+def events(tmp: Path, name: str) -> list[dict]:
+    path = tmp / f"{name}.events"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(420)
+def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
+    mock = MockSubstrate()
+    mock.create_subnet(NETUID, tempo=1000, weights_rate_limit=2, serving_rate_limit=0)
+    wallets = {name: create_wallet(name, "default", tmp_path / "wallets")
+               for name in ("validator", "miner1", "miner2", "permitless", "outsider")}
+    for name, stake in (("validator", 1000.0), ("miner1", 0.0), ("miner2", 0.0), ("permitless", 0.0)):
+        mock.register(NETUID, wallets[name].hotkey.ss58_address, wallets[name].coldkeypub.ss58_address, stake)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    miners: dict[str, subprocess.Popen] = {}
+    runner = AsyncRunner()
+    dhts = []
+    with MockChainServer(mock, seconds_per_block=SECONDS_PER_BLOCK) as server:
+        try:
+            unregistered = subprocess.run(miner_command("outsider", tmp_path, server.url), cwd=REPO, env=env,
+                                          capture_output=True, text=True, timeout=120)
+            assert unregistered.returncode == 2
+            assert "is not registered on netuid 2" in unregistered.stderr
+            assert "btcli subnets register" in unregistered.stderr
+
+            for name in ("miner1", "miner2"):
+                miners[name] = subprocess.Popen(miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "3"),
+                                                cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                                stderr=open(tmp_path / f"{name}.log", "w"))
+            first = wait_until(lambda: all(any(e["event"] == "round" for e in events(tmp_path, n)) for n in miners)
+                               and [next(e for e in events(tmp_path, n) if e["event"] == "round") for n in miners],
+                               240, "both miners to finish a round")
+            assert first[0]["round"] == first[1]["round"]
+            assert all(report["allreduce_ok"] and report["group_size"] == 2 for report in first), first
+            assert first[0]["theta_hash"] == first[1]["theta_hash"]
+            assert first[0]["base_theta_hash"] == first[1]["base_theta_hash"]
+
+            # the metagraph alone tells who is who: axons and PeerID commitments of both miners
+            sub = bt.Subtensor("local", substrate=mock)
+            directory = peer_directory(sub.subnets.metagraph(NETUID))
+            miner1 = directory.by_hotkey(wallets["miner1"].hotkey.ss58_address)
+            assert miner1 is not None and directory.by_hotkey(wallets["miner2"].hotkey.ss58_address) is not None
+            assert len(directory.bootstrap_maddrs()) == 2, [(r.uid, r.axon, r.peer_id) for r in directory]
+
+            def caller(name: str):
+                dht = start_dht(DHTConfig(initial_peers=directory.bootstrap_maddrs()))
+                dhts.append(dht)
+                commit_peer_id(sub, wallets[name], NETUID, str(dht.peer_id))
+                return runner.run(dht.replicate_p2p())
+
+            request = FetchRequest(PROTOCOL_VERSION, NETUID, first[0]["round"])
+
+            def fetch_as(p2p):
+                # a caller that just committed its PeerID is unknown until the miner re-reads the metagraph,
+                # which an unknown caller triggers at most every DIRECTORY_REFRESH_S: ask again after that
+                for attempt in range(3):
+                    try:
+                        return runner.run(fetch_publication(p2p, miner1.peer_id, request,
+                                                            expected_hotkey=miner1.hotkey, timeout=30), timeout=60)
+                    except RefusedError as err:
+                        if "unknown peer" not in str(err) or attempt == 2:
+                            raise
+                        time.sleep(DIRECTORY_REFRESH_S + 0.5)
+
+            publication = fetch_as(caller("validator"))
+            assert publication.meta.round == first[0]["round"] and publication.meta.hotkey == miner1.hotkey
+            assert publication.meta.base_theta_hash == first[0]["base_theta_hash"]
+            assert publication.meta.tokens == first[0]["tokens"] and not publication.nonfinite
+            assert list(publication.tensors) == list(publication.meta.names) and len(publication.tensors) > 10
+            assert all(bool(t.abs().sum() > 0) for t in publication.tensors.values())  # it trained: Δ is not zero
+
+            with pytest.raises(RefusedError, match="no validator permit"):
+                fetch_as(caller("permitless"))
+
+            miners["miner2"].send_signal(signal.SIGTERM)
+            assert miners["miner2"].wait(timeout=60) == 0
+            assert any(e["event"] == "stopped" for e in events(tmp_path, "miner2"))
+            checkpoint = load_latest_checkpoint(tmp_path / "miner2" / "checkpoints")
+            assert checkpoint is not None and checkpoint.round >= first[1]["round"] + 1
+        finally:
+            for process in miners.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=30)
+            for dht in dhts:
+                dht.shutdown()
+            runner.close()
