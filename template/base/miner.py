@@ -6,6 +6,9 @@ miners; take the outer step; publish what the behaviour says (honest: the Δ con
 for validators with a permit to fetch; checkpoint. A miner that joins late or missed rounds skips to the chain's
 round and re-syncs θ from peers first.
 
+A multi-GPU miner runs under ``torchrun``: rank 0 (the leader) alone talks to the chain and hivemind; each round it
+broadcasts (go, round, train-until, finish-by) to the other ranks, which train data-parallel in lockstep.
+
 On failure: a failed all-reduce leaves θ_r (the engine re-syncs next round) and the round's Δ is still published
 (validators score what the miner did); SIGINT/SIGTERM stop the loop between rounds or at the next inner-step chunk,
 the last checkpoint stays intact, and the publication server and hivemind host are closed.
@@ -18,14 +21,17 @@ import logging
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from template.base.behaviours import MinerBehaviour
-from template.base.neuron import NeuronContext, RoundClock
+from template.base.neuron import NeuronContext, RoundClock, StopFlag
+from template.base.telemetry import Telemetry
 from template.p2p.identity import PeerDirectory
 from template.p2p.publication import AuthDecision, PublicationServer, permit_holders
 from template.training.cli import averaging_config_from, run_spec_from
 from template.training.data import build_corpus, load_tokenizer
 from template.training.diloco import DiLoCoPeer, Progress, RoundReport
+from template.training.distributed import NodeGroup
 
 log = logging.getLogger(__name__)
 
@@ -36,61 +42,93 @@ DIRECTORY_REFRESH_S = 1.0
 
 
 class Miner:
-    def __init__(self, ctx: NeuronContext, args: argparse.Namespace, behaviour: MinerBehaviour) -> None:
+    """One miner node. ``ctx`` (chain, wallet, hivemind host) exists on the leader rank only."""
+
+    def __init__(self, ctx: NeuronContext | None, args: argparse.Namespace, behaviour: MinerBehaviour, *,
+                 hotkey: str, state: Path, node: NodeGroup, stop: StopFlag, device: str) -> None:
         self.ctx = ctx
         self.args = args
         self.behaviour = behaviour
-        self.clock = RoundClock(ctx.chain, args.neuron_blocks_per_round)
+        self.node = node
+        self.stop = stop
         spec = run_spec_from(args)
         tokenizer = load_tokenizer(args.run_tokenizer)
         corpus = build_corpus(args.run_data, tokenizer, spec.seq_len, text_column=args.run_text_column,
-                              max_tokens=args.run_max_tokens, cache_dir=ctx.state_dir / "cache")
-        self._directory: PeerDirectory = ctx.directory()
-        self._directory_at = time.monotonic()
-        expected_peers = max(2, sum(1 for record in self._directory if not record.validator_permit))
-        averaging = averaging_config_from(args, expected_peers)
+                              max_tokens=args.run_max_tokens, cache_dir=state / "cache" if node.is_leader else None)
+        self._round_end = 0.0
+        self._directory: PeerDirectory | None = None
+        averaging = None
+        if ctx is not None:
+            self.clock = RoundClock(ctx.chain, args.neuron_blocks_per_round)
+            self._refresh_directory()
+            miners = sum(1 for record in self._directory if not record.validator_permit)
+            averaging = averaging_config_from(args, max(2, miners))
         self.peer = DiLoCoPeer(
-            spec, corpus, tokenizer.vocab_size, peer_key=ctx.hotkey, dht=ctx.dht, averaging=averaging,
-            device=args.neuron_device, checkpoint_dir=ctx.state_dir / "checkpoints", on_progress=self._progress,
+            spec, corpus, tokenizer.vocab_size, peer_key=hotkey, dht=ctx.dht if ctx else None,
+            averaging=averaging, device=device, node=node, on_progress=self._progress,
+            checkpoint_dir=state / "checkpoints",  # every rank reads it at start; the leader alone writes it
         )
         behaviour.configure(self.peer)
         self.names = [name for name, _ in self.peer.model.named_parameters()]
-        self._round_end = 0.0
-        self._permit_holders = permit_holders(lambda: self._directory)
-        self.p2p = ctx.runner.run(ctx.dht.replicate_p2p())
-        self.server = PublicationServer(self.p2p, netuid=ctx.chain_args.netuid, wallet=ctx.wallet,
-                                        authorize=self._authorize)
-        ctx.runner.run(self.server.start())
+        self.server = self.p2p = None
+        self.telemetry = Telemetry(None)
+        if ctx is not None:
+            self._permit_holders = permit_holders(lambda: self._directory)
+            self.p2p = ctx.runner.run(ctx.dht.replicate_p2p())
+            self.server = PublicationServer(self.p2p, netuid=ctx.chain_args.netuid, wallet=ctx.wallet,
+                                            authorize=self._authorize)
+            ctx.runner.run(self.server.start())
+            self.telemetry = Telemetry.open(args, role="miner", name=f"miner-uid{ctx.uid}",
+                                            directory=ctx.state_dir, config=dict(asdict(spec), uid=ctx.uid,
+                                                                                 hotkey=ctx.hotkey,
+                                                                                 behaviour=behaviour.name))
 
     def run(self) -> int:
         """Rounds until stopped or ``--neuron.max_rounds``; returns how many rounds ran."""
-        self.ctx.join_peers(self._directory)
-        source = self.peer.restore(peer_timeout_s=5.0)
-        now = self.clock.now()
-        log.info("miner uid %d (%s, behaviour %s) ready: state from %s; chain round %d",
-                 self.ctx.uid, self.ctx.hotkey, self.behaviour.name, source, now.round)
-        self.ctx.emit("ready", uid=self.ctx.uid, hotkey=self.ctx.hotkey, restored=source, chain_round=now.round,
-                      peer_id=str(self.ctx.dht.peer_id))
-        target = now.round + 1  # start at a round boundary, with the whole round ahead
+        if self.ctx is not None:
+            self.ctx.join_peers(self._directory)
+        source = self.peer.restore(peer_timeout_s=5.0)  # every rank: the leader's state reaches all of them
+        target = 0
+        if self.ctx is not None:
+            now = self.clock.now()
+            log.info("miner uid %d (%s, behaviour %s, %d rank(s)) ready: state from %s; chain round %d",
+                     self.ctx.uid, self.ctx.hotkey, self.behaviour.name, self.node.world, source, now.round)
+            self.ctx.emit("ready", uid=self.ctx.uid, hotkey=self.ctx.hotkey, restored=source, chain_round=now.round,
+                          peer_id=str(self.ctx.dht.peer_id), ranks=self.node.world)
+            target = now.round + 1  # start at a round boundary, with the whole round ahead
         done = 0
         max_rounds = self.args.neuron_max_rounds
-        while not self.ctx.stop.is_set() and (max_rounds == 0 or done < max_rounds):
-            round_timeout = 4 * self.clock.blocks_per_round * self.clock.seconds_per_block + 60
-            now = self.clock.wait_for_round(target, self.ctx.stop, round_timeout)
-            if now is None:
+        while True:
+            decision = self._next_round(target, done, max_rounds)
+            go, round, train_until_ms, finish_by_ms = self.node.broadcast_ints(decision)
+            if not go:
                 break
-            self.peer.skip_to(now.round)
-            self._round_end = now.round_end
-            budget = self.peer.averaging_config.matchmaking_time + ALLREDUCE_GRACE_S
-            report = self.peer.run_round(train_until=now.round_end - budget,
-                                         finish_by=now.round_end + ALLREDUCE_GRACE_S)
-            self._publish(report, now.block)
-            self._refresh_directory()  # who may fetch, and who to average with, as of this round
-            self.ctx.join_peers(self._directory)
-            self._report(report)
-            target = now.round + 1
+            self.peer.skip_to(round)
+            report = self.peer.run_round(train_until=train_until_ms / 1000, finish_by=finish_by_ms / 1000)
+            if self.ctx is not None:
+                self._publish(report)
+                self._refresh_directory()  # who may fetch, and who to average with, as of this round
+                self.ctx.join_peers(self._directory)
+                self._report(report)
+            target = round + 1
             done += 1
         return done
+
+    def _next_round(self, target: int, done: int, max_rounds: int) -> list[int]:
+        """Leader: wait for round ``target`` and say when to stop training and finish; others: placeholders."""
+        if self.ctx is None:
+            return [0, 0, 0, 0]
+        if self.stop.is_set() or (max_rounds and done >= max_rounds):
+            return [0, 0, 0, 0]
+        round_timeout = 4 * self.clock.blocks_per_round * self.clock.seconds_per_block + 60
+        now = self.clock.wait_for_round(target, self.stop, round_timeout)
+        if now is None:
+            return [0, 0, 0, 0]
+        self._round_end = now.round_end
+        self._block = now.block
+        budget = self.peer.averaging_config.matchmaking_time + ALLREDUCE_GRACE_S
+        train_until, finish_by = now.round_end - budget, now.round_end + ALLREDUCE_GRACE_S
+        return [1, now.round, int(train_until * 1000), int(finish_by * 1000)]
 
     def _refresh_directory(self) -> None:
         self._directory = self.ctx.directory()
@@ -105,7 +143,7 @@ class Miner:
             decision = self._permit_holders(peer_id)
         return decision
 
-    def _publish(self, report: RoundReport, block: int) -> None:
+    def _publish(self, report: RoundReport) -> None:
         delta = self.peer.last_delta
         if delta is None:
             return
@@ -113,19 +151,21 @@ class Miner:
         self.server.publish(
             round=report.round, base_theta_hash=report.base_theta_hash, tokens=report.tokens,
             inner_steps=report.inner_steps, loss=report.train_loss if report.train_loss is not None else 0.0,
-            named_tensors=dict(zip(self.names, tensors, strict=True)), codec="fp16", block=block,
+            named_tensors=dict(zip(self.names, tensors, strict=True)), codec="fp16", block=self._block,
         )
 
     def _progress(self, progress: Progress) -> None:
         loss = "-" if progress.loss is None else f"{progress.loss:.3f}"
         left = max(0.0, self._round_end - time.time())
+        peers = len(self._directory) if self._directory is not None else 0
         print(f"\r\033[Kround {progress.round} step {progress.step}/{progress.of_steps} loss {loss} "
-              f"{progress.tokens_per_s:.0f} tok/s, round ends in {left:.0f}s, peers {len(self._directory)}",
+              f"{progress.tokens_per_s:.0f} tok/s, round ends in {left:.0f}s, peers {peers}",
               end="", file=sys.stderr, flush=True)
 
     def _report(self, report: RoundReport) -> None:
         fields = asdict(report)
         self.ctx.emit("round", uid=self.ctx.uid, behaviour=self.behaviour.name, **fields)
+        self.telemetry.log(fields, step=report.round)
         print("\r\033[K" + (f"round {report.round}: steps {report.inner_steps}, loss {report.train_loss}, "
                             f"held-out {report.heldout_loss}, all-reduce {'ok' if report.allreduce_ok else 'FAILED'} "
                             f"(group {report.group_size}, {report.allreduce_s:.1f}s), θ {report.theta_hash[:12]}"),
@@ -133,6 +173,8 @@ class Miner:
         log.info("round report %s", fields)
 
     def close(self) -> None:
-        self.ctx.runner.run(self.server.stop())
-        self.ctx.runner.run(self.p2p.shutdown())
+        if self.ctx is not None:
+            self.ctx.runner.run(self.server.stop())
+            self.ctx.runner.run(self.p2p.shutdown())
+        self.telemetry.close()
         self.peer.shutdown()

@@ -52,11 +52,15 @@ class NodeGroup:
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (round numbers, go/stop flags)."""
+        return self.broadcast_ints([value])[0]
+
+    def broadcast_ints(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` on every rank (the others pass placeholders of the same length)."""
         if not self.distributed:
-            return value
-        box = torch.tensor([value], dtype=torch.int64)
+            return values
+        box = torch.tensor(values, dtype=torch.int64)
         dist.broadcast(box, src=0)
-        return int(box.item())
+        return [int(v) for v in box.tolist()]
 
     def hashes_agree(self, tensors: list[torch.Tensor]) -> bool:
         """True when every rank holds bit-identical ``tensors`` (compares a 63-bit digest, no pickle)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,3 +142,39 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
             for dht in dhts:
                 dht.shutdown()
             runner.close()
+
+
+@pytest.mark.timeout(420)
+def test_a_two_rank_torchrun_miner_trains_with_a_single_process_miner(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun ships with torch"
+    mock = MockSubstrate()
+    mock.create_subnet(NETUID, tempo=1000, weights_rate_limit=2, serving_rate_limit=0)
+    wallets = {name: create_wallet(name, "default", tmp_path / "wallets") for name in ("node", "single")}
+    for wallet in wallets.values():
+        mock.register(NETUID, wallet.hotkey.ss58_address, wallet.coldkeypub.ss58_address, 0.0)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    launchers = {"node": [torchrun, "--standalone", "--nproc_per_node", "2"], "single": [sys.executable]}
+    miners: dict[str, subprocess.Popen] = {}
+    with MockChainServer(mock, seconds_per_block=SECONDS_PER_BLOCK) as server:
+        try:
+            for name, launcher in launchers.items():
+                command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "2")[1:]
+                miners[name] = subprocess.Popen([*launcher, *command], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                                stderr=open(tmp_path / f"{name}.log", "w"))
+            for name, process in miners.items():
+                assert process.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        finally:
+            for process in miners.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=30)
+    node, single = events(tmp_path, "node"), events(tmp_path, "single")
+    assert next(e for e in node if e["event"] == "ready")["ranks"] == 2
+    node_rounds = {e["round"]: e for e in node if e["event"] == "round"}
+    single_rounds = {e["round"]: e for e in single if e["event"] == "round"}
+    assert len(node_rounds) == 2 and set(node_rounds) == set(single_rounds)
+    for r, report in node_rounds.items():
+        assert report["allreduce_ok"] and single_rounds[r]["allreduce_ok"] and report["group_size"] == 2
+        assert report["theta_hash"] == single_rounds[r]["theta_hash"]
+        assert report["tokens"] == single_rounds[r]["tokens"]  # the node's two ranks each trained half of each batch
