@@ -99,10 +99,11 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
             assert miner1 is not None and directory.by_hotkey(wallets["miner2"].hotkey.ss58_address) is not None
             assert len(directory.bootstrap_maddrs()) == 2, [(r.uid, r.axon, r.peer_id) for r in directory]
 
-            def caller(name: str):
+            def caller(name: str, commit: bool = True):
                 dht = start_dht(DHTConfig(initial_peers=directory.bootstrap_maddrs()))
                 dhts.append(dht)
-                commit_peer_id(sub, wallets[name], NETUID, str(dht.peer_id))
+                if commit:  # only a registered hotkey can bind its PeerID on chain
+                    commit_peer_id(sub, wallets[name], NETUID, str(dht.peer_id))
                 return runner.run(dht.replicate_p2p())
 
             request = FetchRequest(PROTOCOL_VERSION, NETUID, first[0]["round"])
@@ -128,6 +129,8 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
 
             with pytest.raises(RefusedError, match="no validator permit"):
                 fetch_as(caller("permitless"))
+            with pytest.raises(RefusedError, match="unknown peer"):
+                fetch_as(caller("outsider", commit=False))
 
             miners["miner2"].send_signal(signal.SIGTERM)
             assert miners["miner2"].wait(timeout=60) == 0
