@@ -50,6 +50,27 @@ def events(tmp: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def start_miner(command: list[str], log: Path, env: dict) -> subprocess.Popen:
+    """Its own process group, so that ``stop_miner`` also reaches the hivemind processes it forked."""
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                            start_new_session=True)
+
+
+def stop_miner(process: subprocess.Popen) -> None:
+    """SIGTERM (a clean stop), then SIGKILL of the whole group: no process may outlive the test."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+
+
 def wait_until(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -81,9 +102,8 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
             assert "btcli subnets register" in unregistered.stderr
 
             for name in ("miner1", "miner2"):
-                miners[name] = subprocess.Popen(miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "3"),
-                                                cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                                stderr=open(tmp_path / f"{name}.log", "w"))
+                command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "3")
+                miners[name] = start_miner(command, tmp_path / f"{name}.log", env)
             first = wait_until(lambda: all(any(e["event"] == "round" for e in events(tmp_path, n)) for n in miners)
                                and [next(e for e in events(tmp_path, n) if e["event"] == "round") for n in miners],
                                240, "both miners to finish a round")
@@ -139,9 +159,7 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
             assert checkpoint is not None and checkpoint.round >= first[1]["round"] + 1
         finally:
             for process in miners.values():
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=30)
+                stop_miner(process)
             for dht in dhts:
                 dht.shutdown()
             runner.close()
@@ -163,15 +181,12 @@ def test_a_two_rank_torchrun_miner_trains_with_a_single_process_miner(tmp_path):
         try:
             for name, launcher in launchers.items():
                 command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "2")[1:]
-                miners[name] = subprocess.Popen([*launcher, *command], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                                stderr=open(tmp_path / f"{name}.log", "w"))
+                miners[name] = start_miner([*launcher, *command], tmp_path / f"{name}.log", env)
             for name, process in miners.items():
                 assert process.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         finally:
             for process in miners.values():
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=30)
+                stop_miner(process)
     node, single = events(tmp_path, "node"), events(tmp_path, "single")
     assert next(e for e in node if e["event"] == "ready")["ranks"] == 2
     node_rounds = {e["round"]: e for e in node if e["event"] == "round"}
