@@ -68,16 +68,19 @@ class PeerProcess:
         self.process.wait(timeout=STOP_GRACE_S)
 
     def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL after a grace period; the whole process group (torchrun children too)."""
+        """SIGTERM, then SIGKILL of the whole process group (torchrun children, hivemind's DHT/averager/p2pd
+        processes), also when the peer itself already exited: nothing it started may outlive it."""
         if self.alive():
             try:
                 os.killpg(self.process.pid, 15)
                 self.process.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, 9)
-                self.process.wait(timeout=STOP_GRACE_S)
-            except ProcessLookupError:
+            except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
+        try:
+            os.killpg(self.process.pid, 9)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=STOP_GRACE_S)
         self._reader.join(timeout=STOP_GRACE_S)
         self._log.close()
         return self.process.returncode

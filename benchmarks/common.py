@@ -1,0 +1,178 @@
+"""Shared helpers of the benchmarks: data, machine facts, the one-JSON-object output, and a real-peer launcher.
+
+Every benchmark is run from the repository root as ``python -m benchmarks.<name>``; it prints exactly one JSON
+object on stdout and logs to stderr. What is guaranteed on failure: every wait here is bounded (``run_peers``
+stops every peer it started — SIGTERM, then SIGKILL — before it returns or raises), so a benchmark never leaves
+processes behind and never runs past its time bound by more than the stop grace period.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import queue
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = str(REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
+
+log = logging.getLogger("benchmarks")
+
+
+def setup_logging() -> None:
+    """Logs to stderr (stdout carries the one JSON result); hivemind's chatter only from warnings up."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for noisy in ("hivemind", "template.training.averaging"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def resolve_data(data: str) -> str:
+    """``data`` if it is ``builtin`` or an existing file, else ``builtin`` (with a warning): benchmarks must run
+    on a fresh clone that has no ``../shared/data``."""
+    if data == "builtin" or Path(data).is_file():
+        return data
+    log.warning("data file %s is missing: using the builtin corpus instead", data)
+    return "builtin"
+
+
+def data_name(data: str) -> str:
+    return "builtin" if data == "builtin" else Path(data).name
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on; the load average says how much other work shared the cores."""
+    import hivemind
+    import torch
+
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        cpus=os.cpu_count(),
+        load_average_1m=round(os.getloadavg()[0], 2),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        hivemind=hivemind.__version__,
+        device="cpu",
+    )
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The benchmark's result: one JSON object, one line, on stdout."""
+    result.setdefault("machine", {})["load_average_1m_end"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(result), flush=True)
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def butterfly_bytes(num_values: int, peers: int, bytes_per_value: float) -> float:
+    """Bytes one peer sends in a butterfly (or ring) all-reduce: 2(N−1)/N × the vector's size."""
+    return 2 * (peers - 1) / peers * num_values * bytes_per_value
+
+
+# ------------------------------------------------------------------------------------------ real DiLoCo peers
+
+
+@dataclass
+class PeerRunResult:
+    """What a group of real peer processes reported: ``rounds[peer]`` is that peer's list of round events."""
+
+    peers: list[str]
+    rounds: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    ready: dict[str, dict[str, Any]] = field(default_factory=dict)
+    done: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    log_tails: dict[str, list[str]] = field(default_factory=dict)  # last log lines of each peer, when not finished
+
+    @property
+    def finished(self) -> bool:
+        return set(self.done) == set(self.peers) and not self.errors
+
+    def reports(self, round: int) -> list[dict[str, Any]]:
+        return [event for events in self.rounds.values() for event in events if event["round"] == round]
+
+
+def run_peers(
+    num_peers: int, peer_args: list[str], out_dir: Path, timeout_s: float, threads: int | None = None,
+    name_prefix: str = "peer", follower_args: Sequence[str] = (),
+) -> PeerRunResult:
+    """Run ``num_peers`` real ``template.training.peer`` processes on 127.0.0.1 until they finish or ``timeout_s``.
+
+    Like ``python -m template.training.run`` (first peer bootstraps the others, peers split the cores), but it
+    returns every peer's full round reports instead of printing a summary. ``follower_args`` are appended for every
+    peer but the first (later flags win). All peers are stopped before it returns.
+    """
+    from template.training.run import PeerProcess, wait_for_event
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [f"{name_prefix}{i}" for i in range(num_peers)]
+    threads = threads or max(1, (os.cpu_count() or 1) // num_peers)
+    common = ["--expected-peers", str(num_peers), "--torch-threads", str(threads), *peer_args]
+    result = PeerRunResult(peers=names)
+    events: queue.Queue = queue.Queue()
+    processes: list[PeerProcess] = []
+    started = time.monotonic()
+    deadline = started + timeout_s
+    try:
+        processes.append(PeerProcess(names[0], [*common, "--checkpoint-dir", str(out_dir / names[0])], out_dir,
+                                     events=events))
+        first = wait_for_event(events, lambda e: e["event"] in ("listening", "error", "exit"), timeout_s)
+        if first["event"] != "listening":
+            raise RuntimeError(f"{names[0]} did not start: {first.get('error', 'exited')} (log {out_dir})")
+        for name in names[1:]:
+            processes.append(PeerProcess(name, [*common, "--checkpoint-dir", str(out_dir / name), *follower_args,
+                                                "--initial-peers", *first["maddrs"]], out_dir, events=events))
+        exited: set[str] = set()
+        while len(exited) < num_peers and time.monotonic() < deadline:
+            try:
+                event = events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            kind, peer = event["event"], event["peer_key"]
+            if kind == "exit":
+                exited.add(peer)
+            elif kind == "round":
+                result.rounds.setdefault(peer, []).append(event)
+            elif kind == "ready":
+                result.ready[peer] = event
+            elif kind == "done":
+                result.done[peer] = event
+            elif kind == "error":
+                result.errors[peer] = event.get("error", "")
+        if len(exited) < num_peers:
+            result.errors["timeout"] = f"peers still running after {timeout_s:.0f}s"
+    finally:
+        for process in processes:
+            process.stop()
+            _kill_group(process.process.pid)
+        result.seconds = time.monotonic() - started
+        if not result.finished:
+            for process in processes:
+                lines = process.log_path.read_text(errors="replace").splitlines()
+                result.log_tails[process.peer_key] = [line for line in lines if "Warning" not in line][-8:]
+    return result
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of a peer's process group: a peer that exits on SIGTERM can leave its hivemind
+    children (DHT, averager, p2pd) behind, and ``PeerProcess.stop`` only kills a group whose leader is alive."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
