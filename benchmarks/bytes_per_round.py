@@ -81,12 +81,13 @@ def analytic(params: int, peers: int, h_values: list[int]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bytes_per_round", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 peers, 1 round of 2 steps (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="2 peers, 1 round of 2 steps, 2 codecs (smoke test)")
     parser.add_argument("--data", default=DEFAULT_DATA, help="text file, or 'builtin' (used when the file is missing)")
     parser.add_argument("--peers", type=int, default=None, help="default 4; --quick 2")
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default 50; --quick 2)")
     parser.add_argument("--rounds", type=int, default=None, help="default 2; --quick 1")
-    parser.add_argument("--codecs", default="none,fp16,int8")
+    parser.add_argument("--codecs", default=None,
+                        help="default none,fp16,int8; --quick none,int8 (each codec is a group of peer processes)")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound of each codec's run, seconds")
     return parser
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = args.peers or (2 if quick else 4)
     inner_steps = args.inner_steps or (2 if quick else 50)
     rounds = args.rounds or (1 if quick else 2)
-    codecs = args.codecs.split(",")
+    codecs = (args.codecs or ("none,int8" if quick else "none,fp16,int8")).split(",")
     # bytes depend only on the model's shapes and the codec: short windows and batches keep the runs fast
     peer_args = ["--preset", "tiny", "--data", data, "--seq-len", "32", "--batch-size", "2",
                  "--inner-steps", str(inner_steps), "--rounds", str(rounds), "--heldout-batches", "0",

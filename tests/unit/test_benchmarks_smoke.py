@@ -1,8 +1,9 @@
 """Smoke test of the benchmarks: each runs with ``--quick`` in its own subprocess and prints one sane JSON object.
 
 The four benchmarks run at the same time (most of their time is process start-up and waiting on loopback), so the
-whole test stays well under a minute. Every check is on the numbers they print: shapes, finiteness, and relations
-that must hold whatever the machine's speed (codec sizes, the analytic byte bounds, losses below chance level).
+whole test stays under a minute on two idle cores. Every check is on the numbers they print: shapes, finiteness,
+and relations that must hold whatever the machine's speed (codec sizes, the analytic byte bounds, losses below
+chance level).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def test_allreduce_quick(outputs):
         assert 1.0 <= r["bytes_over_float32_bound"] / (bytes_per_value[r["codec"]] / 4) <= 1.01
     summary = result["summary"]
     assert summary["default_codec"] in ("none", "fp16", "int8") and summary["failed_allreduces"] == 0
-    assert summary["all_identical"] is True
+    assert summary["all_identical"] is True and summary["checked_rows"] == len(rows)
     assert summary["goal_met"] == (summary["worst_default_codec_over_gloo"] <= 3.0)
 
 
@@ -126,15 +127,14 @@ def test_bytes_per_round_quick(outputs):
     result = outputs["bytes_per_round"]
     check_common(result, "bytes_per_round")
     codecs = {m["codec"]: m for m in result["codecs"]}
-    assert set(codecs) == {"none", "fp16", "int8"}
+    assert set(codecs) == {"none", "int8"}  # --quick: the two extremes, run as two concurrent peer groups
     for m in codecs.values():
         assert m["finished"] is True and m["errors"] == {}
         assert 1.0 <= m["measured_over_analytic"] <= 1.01  # framing overhead only
-    assert codecs["none"]["bytes_per_round_per_peer"] > codecs["fp16"]["bytes_per_round_per_peer"]
-    assert codecs["fp16"]["bytes_per_round_per_peer"] > codecs["int8"]["bytes_per_round_per_peer"]
+    assert codecs["none"]["bytes_per_round_per_peer"] > 3.9 * codecs["int8"]["bytes_per_round_per_peer"]
     # data-parallel sends float32 gradients every step: H x 4 / (codec bytes per value) times more per round
     h = result["settings"]["inner_steps"]
     assert codecs["none"]["dp_over_diloco"] == pytest.approx(h, rel=0.01)
-    assert codecs["fp16"]["dp_over_diloco"] == pytest.approx(2 * h, rel=0.01)
+    assert codecs["int8"]["dp_over_diloco"] == pytest.approx(4 * h / (1 + 4 / 256), rel=0.01)
     analytic = result["analytic"]
     assert analytic["tiny"]["params"] == codecs["none"]["params"] and analytic["small"]["params"] > 50_000_000
