@@ -19,12 +19,6 @@ TEMPO = 10
 RATE_LIMIT = 5
 
 
-@pytest.fixture(autouse=True)
-def _token_symbol_cache(tmp_path, monkeypatch):
-    """``connect`` caches token symbols on disk; keep that out of the home directory."""
-    monkeypatch.setenv("BTCLI_TOKEN_SYMBOLS_CACHE", str(tmp_path / "token_symbols.json"))
-
-
 @pytest.fixture(scope="module")
 def wallets(tmp_path_factory):
     path = tmp_path_factory.mktemp("wallets")

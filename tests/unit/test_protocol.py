@@ -58,12 +58,6 @@ def peer_id_for(seed: str) -> str:
     return base58.b58encode(multihash.encode(hashlib.sha256(seed.encode()).digest(), "sha2-256")).decode()
 
 
-@pytest.fixture(autouse=True)
-def _token_symbol_cache(tmp_path, monkeypatch):
-    """The SDK caches token symbols on disk on connect; keep that out of the home directory."""
-    monkeypatch.setenv("BTCLI_TOKEN_SYMBOLS_CACHE", str(tmp_path / "token_symbols.json"))
-
-
 @pytest.fixture(scope="module")
 def wallets(tmp_path_factory):
     path = tmp_path_factory.mktemp("wallets")
