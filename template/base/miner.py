@@ -35,8 +35,6 @@ from template.training.distributed import NodeGroup
 
 log = logging.getLogger(__name__)
 
-# Seconds past a round's last block that a late all-reduce may still use before the next round starts.
-ALLREDUCE_GRACE_S = 2.0
 # An unknown caller makes the miner re-read the metagraph, but not more often than this (seconds).
 DIRECTORY_REFRESH_S = 1.0
 
@@ -59,10 +57,10 @@ class Miner:
         self._directory: PeerDirectory | None = None
         averaging = None
         if ctx is not None:
-            self.clock = RoundClock(ctx.chain, args.neuron_blocks_per_round)
-            self._refresh_directory()
-            miners = sum(1 for record in self._directory if not record.validator_permit)
-            averaging = averaging_config_from(args, max(2, miners))
+            self.clock = RoundClock(ctx.chain, args.neuron_blocks_per_round, args.neuron_allreduce_fraction)
+            self._directory, self._directory_at = ctx.settled_directory(), time.monotonic()
+            # Validators join the all-reduce as auxiliary peers: the group must have room for every neuron.
+            averaging = self.clock.fit_averaging(averaging_config_from(args, max(2, len(self._directory))))
         self.peer = DiLoCoPeer(
             spec, corpus, tokenizer.vocab_size, peer_key=hotkey, dht=ctx.dht if ctx else None,
             averaging=averaging, device=device, node=node, on_progress=self._progress,
@@ -125,9 +123,7 @@ class Miner:
         if now is None:
             return [0, 0, 0, 0]
         self._round_end = now.round_end
-        self._block = now.block
-        budget = self.peer.averaging_config.matchmaking_time + ALLREDUCE_GRACE_S
-        train_until, finish_by = now.round_end - budget, now.round_end + ALLREDUCE_GRACE_S
+        train_until, finish_by = self.clock.phases(now, self.peer.averaging_config.matchmaking_time)
         return [1, now.round, int(train_until * 1000), int(finish_by * 1000)]
 
     def _refresh_directory(self) -> None:
@@ -151,7 +147,7 @@ class Miner:
         self.server.publish(
             round=report.round, base_theta_hash=report.base_theta_hash, tokens=report.tokens,
             inner_steps=report.inner_steps, loss=report.train_loss if report.train_loss is not None else 0.0,
-            named_tensors=dict(zip(self.names, tensors, strict=True)), codec="fp16", block=self._block,
+            named_tensors=dict(zip(self.names, tensors, strict=True)), codec="fp16", block=self.ctx.chain.block(),
         )
 
     def _progress(self, progress: Progress) -> None:

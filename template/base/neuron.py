@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -33,9 +34,11 @@ from template.chain.wallets import open_wallet
 from template.config import ChainArgs, add_chain_args, chain_args_from
 from template.p2p.dht import DHTConfig, connect_peers, start_dht, visible_maddrs
 from template.p2p.identity import PeerDirectory, commit_peer_id, peer_directory
+from template.training.averaging import AveragingConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+DEFAULT_ALLREDUCE_FRACTION = 0.2
 
 
 def add_neuron_args(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +57,11 @@ def add_neuron_args(parser: argparse.ArgumentParser) -> None:
                         help="state directory (checkpoints, scores); default ~/.diloco/<wallet>/<hotkey>/netuid<N>")
     neuron.add_argument("--neuron.blocks_per_round", dest="neuron_blocks_per_round", type=int, default=25,
                         help="chain blocks per DiLoCo round (every neuron of the subnet must agree)")
+    neuron.add_argument("--neuron.allreduce_fraction", dest="neuron_allreduce_fraction", type=float,
+                        default=DEFAULT_ALLREDUCE_FRACTION,
+                        help="share of a round kept for the all-reduce on each side of the round's last block: "
+                             "training stops that long (plus the matchmaking time) before it, and the all-reduce may "
+                             "run that long past it (default %(default)s)")
     neuron.add_argument("--neuron.max_rounds", dest="neuron_max_rounds", type=int, default=0,
                         help="stop after this many rounds (0 = run until stopped)")
     neuron.add_argument("--neuron.events_file", dest="neuron_events_file", default=None,
@@ -115,15 +123,50 @@ class RoundTime:
     seconds_per_block: float
 
 
+# The all-reduce gets at least this many seconds on each side of the round's last block.
+MIN_ALLREDUCE_GRACE_S = 2.0
+
+
+def allreduce_grace(round_s: float, allreduce_fraction: float) -> float:
+    """Seconds the all-reduce gets on each side of a round's last block."""
+    return max(MIN_ALLREDUCE_GRACE_S, allreduce_fraction * round_s)
+
+
 class RoundClock:
     """Rounds from chain blocks: round r spans blocks [r·B, (r+1)·B)."""
 
-    def __init__(self, chain: ChainClient, blocks_per_round: int) -> None:
+    def __init__(self, chain: ChainClient, blocks_per_round: int,
+                 allreduce_fraction: float = DEFAULT_ALLREDUCE_FRACTION) -> None:
         if blocks_per_round < 2:
             raise ValueError("--neuron.blocks_per_round must be at least 2")
+        if not 0 <= allreduce_fraction < 0.5:
+            raise ValueError("--neuron.allreduce_fraction must be within [0, 0.5)")
         self.chain = chain
         self.blocks_per_round = blocks_per_round
+        self.allreduce_fraction = allreduce_fraction
         self.seconds_per_block = float(chain.subtensor.block_time())
+
+    def phases(self, now: RoundTime, matchmaking_time: float) -> tuple[float, float]:
+        """(train_until, finish_by) of the round, as time.time() values: every neuron derives the same ones.
+
+        Training stops ``matchmaking_time + grace`` before the round's last block, and the all-reduce may run
+        ``grace`` past it (the next round then trains a little less), with grace = max(2 s, fraction × round).
+        """
+        grace = self._grace()
+        return now.round_end - matchmaking_time - grace, now.round_end + grace
+
+    def fit_averaging(self, config: AveragingConfig) -> AveragingConfig:
+        """The all-reduce's own timeouts cut to the round's all-reduce phase (2 × grace).
+
+        An all-reduce that outlives its round keeps the averager busy into the next one, whose all-reduce then fails
+        too: on a slow machine one late round would turn into a cascade of failed rounds.
+        """
+        window = 2 * self._grace()
+        return dataclasses.replace(config, allreduce_timeout=min(config.allreduce_timeout, window),
+                                   next_chunk_timeout=min(config.next_chunk_timeout, window / 2))
+
+    def _grace(self) -> float:
+        return allreduce_grace(self.blocks_per_round * self.seconds_per_block, self.allreduce_fraction)
 
     def now(self) -> RoundTime:
         block = self.chain.block()
@@ -163,6 +206,20 @@ class NeuronContext:
 
     def directory(self) -> PeerDirectory:
         return peer_directory(self.chain.metagraph())
+
+    def settled_directory(self, timeout_s: float = 15.0, quiet_s: float = 3.0) -> PeerDirectory:
+        """The directory once it stops growing: every registered neuron has committed a PeerID, or no new one did
+        for ``quiet_s``, or ``timeout_s`` passed. Neurons that start together size their all-reduce groups from it,
+        so a neuron that started a second earlier than the rest must not see only itself."""
+        deadline = time.monotonic() + timeout_s
+        directory, since = self.directory(), time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+            if len(directory) >= len(self.chain.metagraph().hotkeys) or self.stop.sleep(0.5):
+                break
+            fresh = self.directory()
+            if len(fresh) != len(directory):
+                directory, since = fresh, time.monotonic()
+        return directory
 
     def join_peers(self, directory: PeerDirectory) -> int:
         """Dial the neurons the chain lists (axon + PeerID), so neurons that started together find each other."""

@@ -85,11 +85,16 @@ def run_spec_from(args: argparse.Namespace) -> RunSpec:
 
 
 def averaging_config_from(args: argparse.Namespace, expected_peers: int) -> AveragingConfig:
-    """Groups of up to ``expected_peers`` (at least two when more than one peer is expected)."""
+    """Groups of up to ``expected_peers``, and at least a majority of them (two when two or three are expected).
+
+    A majority minimum means at most one group per round can succeed: two disjoint groups would average different
+    Δ̄s and split the peers into diverging models. When no majority gathers, every peer keeps θ_r.
+    """
     matchmaking = args.averaging_matchmaking_time
     return AveragingConfig(
         compression=args.averaging_compression, matchmaking_time=matchmaking,
         request_timeout=min(3.0, matchmaking / 2), allreduce_timeout=args.averaging_allreduce_timeout,
         next_chunk_timeout=args.averaging_next_chunk_timeout,
-        target_group_size=max(expected_peers, 1), min_group_size=min(expected_peers, 2),
+        target_group_size=max(expected_peers, 1),
+        min_group_size=max(min(expected_peers, 2), expected_peers // 2 + 1),
     )

@@ -172,6 +172,10 @@ class DiLoCoPeer:
         self.max_inner_steps = spec.inner_steps
         self.last_delta: list[torch.Tensor] | None = None  # Δ of the last round (leader), for publication
         self.last_averaged: list[torch.Tensor] | None = None  # the group's Δ̄ of the last round, if it succeeded
+        self.last_result: AveragingResult | None = None  # the last all-reduce as this peer saw it (group, weights)
+        # Validators score round r's pseudo-gradients against θ_r after the round moved on: keep a copy of it.
+        self.keep_base = False
+        self.last_base: list[torch.Tensor] | None = None
 
         self.dht = dht
         self.averager: PseudoGradientAverager | None = None
@@ -244,6 +248,8 @@ class DiLoCoPeer:
         spec = self.spec
         self.outer.load_into(self.model)  # θ_local ← θ_r
         base_hash = self.outer.theta_hash()
+        if self.keep_base:
+            self.last_base = [t.clone() for t in self.outer.params()]
         log.info("round %d starts from θ %s", r, base_hash[:12])
         windows = self.window_selector(r) if self.window_selector else self.assigned_windows(r)
         batches = self._rank_batches(windows)
@@ -252,6 +258,11 @@ class DiLoCoPeer:
         # Train until a few steps before the end, start matchmaking, then finish training while it runs.
         lead_steps = self.node.broadcast_int(self._matchmaking_lead_steps())  # the leader's choice, for all ranks
         stats_head = self._train(batches, self.max_inner_steps - lead_steps, train_until, r, 0)
+        if train_until is not None and self.node.is_leader:
+            # On a shared clock every peer starts matchmaking at the same moment, however early it finished
+            # training (or had nothing to train: a validator): otherwise the early ones would form the round's
+            # group among themselves and leave the others out.
+            time.sleep(max(0.0, train_until - MATCHMAKING_LEAD_S - time.time()))
         handle = None
         if self.averager is not None:
             remaining_s = lead_steps * (self._step_time_s or 0.0)
@@ -277,6 +288,7 @@ class DiLoCoPeer:
             self.last_delta = delta
             result = self.averager.finish(handle, delta, self._allreduce_deadline(time.time(), finish_by))
         allreduce_s = time.monotonic() - allreduce_started
+        self.last_result = result
         took_step, reason = self._apply(result, base_hash) if self.node.is_leader else (False, "")
         self.last_averaged = result.averaged if took_step and result is not None else None
         with self._state_lock:
