@@ -1,0 +1,250 @@
+"""The validator's scoring parts without processes: integrity checks, copy/replay detection, loss gains, the score
+book, and one whole round scored from real (tiny-model) pseudo-gradients of honest and cheating miners."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from template.training.data import DataAssignment, TokenCorpus, build_corpus, load_tokenizer
+from template.training.inner import InnerConfig, InnerTrainer
+from template.training.model import build_model
+from template.training.outer import OuterConfig, OuterOptimizer
+from template.validation.integrity import (
+    IntegrityConfig,
+    Sketch,
+    Submission,
+    check_norm,
+    check_tensors,
+    cosine,
+    find_copies,
+    find_replays,
+    reference_norm,
+    total_norm,
+)
+from template.validation.rewards import RewardConfig, ScoreBook
+from template.validation.round import Candidate, RoundContext, RoundScorer
+from template.validation.scoring import LossGains, LossProbe, ScoringConfig, WindowSampler, loss_gains
+
+SHAPES = [torch.Size([4, 3]), torch.Size([5])]
+
+
+def tensors(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+# --- integrity ---------------------------------------------------------------------------------------------------
+
+
+def test_check_tensors_names_the_problem():
+    assert check_tensors(tensors(0), SHAPES) is None
+    assert "2 tensors" not in (check_tensors(tensors(0)[:1], SHAPES) or "") and check_tensors(tensors(0)[:1], SHAPES)
+    wrong = [torch.zeros(3, 4), torch.zeros(5)]
+    assert "shape (3, 4)" in check_tensors(wrong, SHAPES)
+    nan = tensors(0)
+    nan[1][2] = float("nan")
+    assert "NaN" in check_tensors(nan, SHAPES)
+    assert "not a float" in check_tensors([torch.zeros(4, 3, dtype=torch.int64), torch.zeros(5)], SHAPES)
+
+
+def test_norm_bounds_use_the_lower_median_of_the_round():
+    config = IntegrityConfig()
+    assert reference_norm([0.0, 1.0, 1.2, 50.0]) == 1.2
+    assert reference_norm([1.0, 2.0]) == 1.0  # lower median: one inflated Δ cannot lift the reference
+    assert reference_norm([0.0]) is None
+    assert check_norm(1.1, 1.0, config) is None
+    assert "over 3x" in check_norm(10.0, 1.0, config)
+    assert "empty update" in check_norm(0.0, 1.0, config)
+    assert "empty update" in check_norm(1.0, None, config)
+    assert total_norm([torch.tensor([3.0]), torch.tensor([4.0])]) == pytest.approx(5.0)
+
+
+def test_sketch_cosine_tracks_the_full_vector():
+    shapes = [torch.Size([300, 200]), torch.Size([1000])]
+    sketch = Sketch(shapes, 4096, seed=7)
+    a = [torch.randn(s) for s in shapes]
+    noisy = [t + 1e-3 * t.std() * torch.randn(t.shape) for t in a]
+    other = [torch.randn(s) for s in shapes]
+    assert sketch.size == 4096 and sketch.of(a).shape == (4096,)
+    assert cosine(sketch.of(a), sketch.of(noisy)) > 0.999
+    assert abs(cosine(sketch.of(a), sketch.of(other))) < 0.1
+    assert torch.equal(Sketch(shapes, 4096, seed=7).of(a), sketch.of(a))  # the same seed picks the same coordinates
+
+
+def test_find_copies_flags_the_later_publisher_then_the_weaker_evidence():
+    v = torch.randn(64)
+    original = Submission("orig", v, published_at_block=100, evidence=0.05)
+    later = Submission("late", v + 1e-4 * torch.randn(64), published_at_block=103, evidence=0.2)
+    assert find_copies([later, original], 0.995) == {"late": "orig"}
+    same_block = Submission("same", v.clone(), published_at_block=100, evidence=0.01)
+    assert find_copies([original, same_block], 0.995) == {"same": "orig"}
+    twin = Submission("twin", v.clone(), published_at_block=100, evidence=0.05)
+    assert find_copies([original, twin], 0.995) == {"orig": "twin", "twin": "orig"}
+    unrelated = Submission("other", torch.randn(64), published_at_block=90, evidence=0.0)
+    assert find_copies([original, unrelated], 0.995) == {}
+    assert find_replays(v, [("x of round 3", torch.randn(64)), ("y of round 2", v)], 0.995) == "y of round 2"
+    assert find_replays(v, [("x", torch.randn(64))], 0.995) is None
+
+
+# --- the score book ----------------------------------------------------------------------------------------------
+
+
+def test_score_book_smooths_relative_scores_and_sharpens_weights():
+    book = ScoreBook(RewardConfig(ema_alpha=0.5, power=2.0))  # power 2 for round numbers
+    book.update(0, {"a": 2.0, "b": 1.0, "c": 0.0})
+    assert book.miners["a"].ema == pytest.approx(0.5) and book.miners["b"].ema == pytest.approx(0.25)
+    weights = book.weights({"a": 1, "b": 2, "c": 3})
+    assert set(weights) == {1, 2} and sum(weights.values()) == pytest.approx(1.0)
+    assert weights[1] == pytest.approx(0.8)  # 0.5² / (0.5² + 0.25²)
+    # a cheater's lucky round fades: three zero rounds later it holds < 1 % against an honest miner
+    book = ScoreBook(RewardConfig())
+    book.update(0, {"honest": 1.0, "cheater": 1.0})
+    for r in (1, 2, 3):
+        book.update(r, {"honest": 1.0, "cheater": 0.0})
+    assert book.weights({"honest": 0, "cheater": 1})[1] < 0.01
+
+
+def test_score_book_floor_stops_a_hair_from_taking_full_credit():
+    book = ScoreBook(RewardConfig())
+    book.update(0, {"honest": 2.0, "noise": 0.0})
+    book.update(1, {"noise": 0.004})  # the honest miner was not scored this round
+    assert book.miners["noise"].ema < 0.02
+    assert book.miners["honest"].ema == pytest.approx(0.5)
+
+
+def test_score_book_rotation_persistence_and_forgetting(tmp_path):
+    book = ScoreBook(RewardConfig())
+    book.update(3, {"a": 1.0, "b": 0.5})
+    assert book.choose(["a", "b", "c", "d"], round=4, limit=2)[:2] == sorted(["c", "d"], key=lambda h: book.choose(
+        ["c", "d"], round=4, limit=0).index(h))  # never-scored miners first
+    assert set(book.choose(["a", "b", "c"], round=4, limit=0)) == {"a", "b", "c"}
+    book.last_weights_block = 77
+    path = tmp_path / "scores.json"
+    book.save(path)
+    loaded = ScoreBook.load(path, RewardConfig())
+    assert loaded.miners == book.miners and loaded.last_weights_block == 77 and loaded.typical_best == 1.0
+    loaded.forget_except(["a"])
+    assert set(loaded.miners) == {"a"}
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the score file"):
+        ScoreBook.load(path, RewardConfig())
+    assert ScoreBook.load(tmp_path / "missing.json", RewardConfig()).miners == {}
+    with pytest.raises(ValueError):
+        book.update(5, {"a": -1.0})
+
+
+# --- one round, scored from real pseudo-gradients ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_round():
+    """θ_r of a tiny model after a warm-up, and the Δs of two honest miners that trained 15 steps each on their own
+    assigned windows of tiny Shakespeare-like text (the built-in corpus, truncated for speed)."""
+    torch.manual_seed(0)
+    seq, batch, steps = 32, 8, 15
+    tokenizer = load_tokenizer("bytes")
+    corpus: TokenCorpus = build_corpus("builtin", tokenizer, seq, max_tokens=200_000)
+    assignment = DataAssignment(corpus.fingerprint, corpus.num_windows, run_seed=0)
+    model = build_model("tiny", tokenizer.vocab_size, seq, init_seed=0)
+    outer = OuterOptimizer(model, OuterConfig())
+    deltas = {}
+    for hotkey in ("honest-a", "honest-b"):
+        local = copy.deepcopy(model)
+        trainer = InnerTrainer(local, InnerConfig(lr=3e-3, warmup_steps=1), "cpu")
+        trainer.train(corpus.batches(assignment.assigned_windows(hotkey, 0, steps * batch), batch), steps)
+        deltas[hotkey] = outer.pseudo_gradient(local)
+    theta = [t.clone() for t in outer.params()]
+    averaged = [(a + b) / 2 for a, b in zip(deltas["honest-a"], deltas["honest-b"], strict=True)]
+    probe = LossProbe(model, corpus, batch, "cpu")
+    sampler = WindowSampler(assignment, steps * batch, seed=123)
+    return theta, deltas, averaged, probe, sampler
+
+
+def test_loss_gains_reward_a_real_update_and_punish_noise(trained_round):
+    theta, deltas, _, probe, sampler = trained_round
+    assigned = sampler.assigned("honest-a", 0, 16)
+    unassigned = [w for w in sampler.unassigned(0, 16) if w not in set(assigned)][:16]
+    probe.load(theta)
+    baseline = probe.window_losses(unassigned)
+    honest = loss_gains(probe, theta, deltas["honest-a"], assigned, unassigned, baseline, 1.0)
+    noise = [torch.randn_like(t) * t.norm() / t.numel() ** 0.5 for t in deltas["honest-a"]]
+    noisy = loss_gains(probe, theta, noise, assigned, unassigned, baseline, 1.0)
+    assert honest.assigned > 0.1 and honest.quality(1.0) > 0.1
+    assert noisy.quality(1.0) < 0.05 * honest.quality(1.0)
+    assert LossGains(0.5, 0.3).evidence == pytest.approx(0.2) and LossGains(-1.0, 0.0).quality(1.0) == 0.0
+
+
+def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(trained_round):
+    theta, deltas, averaged, probe, sampler = trained_round
+    shapes = [t.shape for t in theta]
+    scorer = RoundScorer(probe, sampler, shapes, integrity=IntegrityConfig(), scoring=ScoringConfig(),
+                         sketch_seed=5)
+    h = "a" * 64
+
+    def candidate(hotkey, uid, tensors, block=105, **kwargs):
+        return Candidate(hotkey, uid, tensors, h, block, **kwargs)
+
+    a, b = deltas["honest-a"], deltas["honest-b"]
+    nan = [t.clone() for t in a]
+    nan[0][0] = float("inf")
+    candidates = [
+        candidate("honest-a", 1, a, participated=True, share_of_average=0.5),
+        candidate("honest-b", 2, b, participated=True, share_of_average=0.5),
+        candidate("freerider", 3, [torch.zeros_like(t) for t in a], participated=False),
+        candidate("scaled", 4, [10 * t for t in b], participated=True, share_of_average=0.0),
+        candidate("copy-exact", 5, [t.clone() for t in a], block=107, participated=False),
+        candidate("copy-noisy", 6, [t + 1e-3 * t.std() * torch.randn(t.shape) for t in b], block=108),
+        candidate("copycat-average", 7, [t + 1e-3 * t.std() * torch.randn(t.shape) for t in averaged]),
+        candidate("nan", 8, nan),
+        Candidate("unreachable", 9, None, fetch_error="FetchTimeoutError: took longer than 20s"),
+        Candidate("wrong-base", 10, a, "b" * 64, 105),
+        candidate("backdated", 11, b, block=42),
+    ]
+    context = RoundContext(0, theta, h, averaged, first_block=100, last_block=110)
+    verdicts = {v.hotkey: v for v in scorer.score(context, candidates)}
+    assert verdicts["honest-a"].score > 0 and verdicts["honest-b"].score > 0, verdicts
+    assert verdicts["honest-a"].reason == verdicts["honest-b"].reason == ""
+    expected = {
+        "freerider": "empty update", "scaled": "over 3x", "copy-exact": "copy of honest-a",
+        "copy-noisy": "copy of honest-b", "copycat-average": "average", "nan": "NaN or inf",
+        "unreachable": "not fetched", "wrong-base": "trained from θ", "backdated": "outside the round's window",
+    }
+    for hotkey, fragment in expected.items():
+        assert verdicts[hotkey].score == 0.0 and fragment in verdicts[hotkey].reason, verdicts[hotkey]
+
+    # next round: re-publishing round 0's Δ (own or anyone's) is a replay
+    replay = scorer.score(RoundContext(1, theta, h, None, 100, 200), [candidate("stale", 12, a, block=150)])[0]
+    assert replay.score == 0.0 and "replays the Δ of honest-a of round 0" in replay.reason
+
+
+def test_absent_miners_keep_only_part_of_their_score_and_time_limits_are_reported(trained_round, tmp_path):
+    theta, deltas, averaged, probe, sampler = trained_round
+    scorer = RoundScorer(probe, sampler, [t.shape for t in theta], integrity=IntegrityConfig(),
+                         scoring=ScoringConfig(absent_factor=0.5), sketch_seed=5)
+    h = "c" * 64
+    both = [Candidate("present", 1, deltas["honest-a"], h, 5, participated=True),
+            Candidate("absent", 2, deltas["honest-a"], h, 5, participated=False)]
+    context = RoundContext(0, theta, h, None, 0, 10)
+    # identical Δs signed at the same block: the one whose assigned data it helps less is the copier
+    reasons = sorted(v.reason for v in scorer.score(context, both))
+    assert reasons[0] == "" and reasons[1] in ("copy of present's Δ", "copy of absent's Δ"), reasons
+    scorer.history.clear()
+    present = scorer.score(context, [Candidate("m", 1, deltas["honest-b"], h, 5, participated=True)])[0]
+    scorer.history.clear()
+    absent = scorer.score(context, [Candidate("m", 1, deltas["honest-b"], h, 5, participated=False)])[0]
+    scorer.history.clear()
+    unknown = scorer.score(context, [Candidate("m", 1, deltas["honest-b"], h, 5, participated=None)])[0]
+    assert present.score > 0 and unknown.score == pytest.approx(present.score, rel=1e-6)
+    assert absent.score == pytest.approx(0.5 * present.score, rel=1e-6)
+    late = scorer.score(RoundContext(1, theta, h, None, 0, 10),
+                        [Candidate("late", 4, averaged, h, 5)], out_of_time=lambda: True)
+    assert late[0].reason == "not evaluated in time" and late[0].score == 0.0
+    path = tmp_path / "sketches.safetensors"
+    scorer.save_history(path)
+    restored = RoundScorer(probe, sampler, [t.shape for t in theta], integrity=IntegrityConfig(),
+                           scoring=ScoringConfig(), sketch_seed=5)
+    restored.load_history(path)
+    assert set(restored.history) == set(scorer.history) and restored.history
