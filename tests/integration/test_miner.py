@@ -8,7 +8,6 @@ refused. SIGTERM stops a miner cleanly and leaves a loadable checkpoint; an unre
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -30,55 +29,16 @@ from template.p2p.identity import commit_peer_id, peer_directory
 from template.p2p.publication import RefusedError, fetch_publication
 from template.protocol import PROTOCOL_VERSION, FetchRequest
 from template.training.checkpoint import load_latest_checkpoint
+from tests.integration.neuron_processes import REPO, events, neuron_command, start_process, stop_process, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
 NETUID = 2
 SECONDS_PER_BLOCK = 0.5
 BLOCKS_PER_ROUND = 24  # 12 s rounds: a few s of training, the rest for re-sync, matchmaking and a loaded machine
 
 
 def miner_command(name: str, tmp: Path, url: str, *extra: str) -> list[str]:
-    return [sys.executable, "neurons/miner.py", "--netuid", str(NETUID), "--wallet.name", name,
-            "--wallet.hotkey", "default", "--wallet.path", str(tmp / "wallets"), "--subtensor.network", url,
-            "--neuron.full_path", str(tmp / name), "--neuron.blocks_per_round", str(BLOCKS_PER_ROUND),
-            "--neuron.events_file", str(tmp / f"{name}.events"), "--neuron.torch_threads", "1",
-            "--run.inner_steps", "10", "--run.seq_len", "64", "--averaging.matchmaking_time", "3", *extra]
-
-
-def events(tmp: Path, name: str) -> list[dict]:
-    path = tmp / f"{name}.events"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def start_miner(command: list[str], log: Path, env: dict) -> subprocess.Popen:
-    """Its own process group, so that ``stop_miner`` also reaches the hivemind processes it forked."""
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-                            start_new_session=True)
-
-
-def stop_miner(process: subprocess.Popen) -> None:
-    """SIGTERM (a clean stop), then SIGKILL of the whole group: no process may outlive the test."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=30)
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    return neuron_command("miner", name, tmp, url, NETUID, BLOCKS_PER_ROUND, "--run.inner_steps", "10",
+                          "--averaging.matchmaking_time", "3", *extra)
 
 
 @pytest.mark.timeout(420)
@@ -103,7 +63,7 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
 
             for name in ("miner1", "miner2"):
                 command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "3")
-                miners[name] = start_miner(command, tmp_path / f"{name}.log", env)
+                miners[name] = start_process(command, tmp_path / f"{name}.log", env)
             first = wait_until(lambda: all(any(e["event"] == "round" for e in events(tmp_path, n)) for n in miners)
                                and [next(e for e in events(tmp_path, n) if e["event"] == "round") for n in miners],
                                240, "both miners to finish a round")
@@ -159,7 +119,7 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
             assert checkpoint is not None and checkpoint.round >= first[1]["round"] + 1
         finally:
             for process in miners.values():
-                stop_miner(process)
+                stop_process(process)
             for dht in dhts:
                 dht.shutdown()
             runner.close()
@@ -181,12 +141,12 @@ def test_a_two_rank_torchrun_miner_trains_with_a_single_process_miner(tmp_path):
         try:
             for name, launcher in launchers.items():
                 command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "2")[1:]
-                miners[name] = start_miner([*launcher, *command], tmp_path / f"{name}.log", env)
+                miners[name] = start_process([*launcher, *command], tmp_path / f"{name}.log", env)
             for name, process in miners.items():
                 assert process.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         finally:
             for process in miners.values():
-                stop_miner(process)
+                stop_process(process)
     node, single = events(tmp_path, "node"), events(tmp_path, "single")
     assert next(e for e in node if e["event"] == "ready")["ranks"] == 2
     node_rounds = {e["round"]: e for e in node if e["event"] == "round"}

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Run a validator on the subnet.
+
+    python neurons/validator.py --netuid N --wallet.name W --wallet.hotkey H --subtensor.network test \\
+        --axon.port 8092 --axon.external_ip YOUR.PUBLIC.IP
+
+Every round (``--neuron.blocks_per_round`` chain blocks) the validator takes part in the miners' all-reduce as an
+auxiliary peer (it receives the average, contributes nothing) so it holds the same model θ as the miners; during the
+next round it fetches each miner's published pseudo-gradient, scores it (integrity, copies, replays, loss on the
+miner's assigned data against other data, participation in the all-reduce), keeps the scores over rounds in its state
+directory and sets weights on chain. The ``--run.*`` flags must match the miners'. It refuses to start without a
+validator permit unless ``--neuron.allow_no_permit``. See docs/running_a_validator.md and docs/validation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+
+from template.base.neuron import StopFlag, add_neuron_args, start_neuron
+from template.base.telemetry import add_wandb_args
+from template.base.validator import Validator, add_validator_args
+from template.chain.client import NetworkConfigError, NotRegisteredError
+from template.training.cli import add_averaging_args, add_run_args, dotted
+from template.training.diloco import RunMismatchError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neurons/validator.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_neuron_args(parser)
+    add_wandb_args(parser)
+    add_run_args(parser, dotted)
+    add_averaging_args(parser, dotted)
+    add_validator_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.logging_debug else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    if args.neuron_torch_threads:
+        torch.set_num_threads(args.neuron_torch_threads)
+    stop = StopFlag()
+    stop.install()
+    ctx = validator = None
+    try:
+        ctx = start_neuron(args, stop)
+        permit = bool(ctx.chain.metagraph().neuron(ctx.uid).validator_permit)
+        if not permit and not args.neuron_allow_no_permit:
+            print(f"error: uid {ctx.uid} has no validator permit on netuid {ctx.chain_args.netuid}: stake more "
+                  "(btcli stake add) or wait for the next epoch; --neuron.allow_no_permit runs anyway, but miners "
+                  "refuse to serve a validator without a permit", file=sys.stderr)
+            return 2
+        validator = Validator(ctx, args, args.neuron_device)
+        rounds = validator.run()
+        ctx.emit("stopped", uid=ctx.uid, rounds=rounds)
+        return 0
+    except (NotRegisteredError, NetworkConfigError, RunMismatchError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if validator is not None:
+            validator.close()
+        if ctx is not None:
+            ctx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

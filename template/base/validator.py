@@ -1,0 +1,310 @@
+"""The validator: keeps θ in sync, scores every miner's published pseudo-gradient, sets weights on chain.
+
+Each chain round r (blocks [r·B, (r+1)·B)):
+
+1. score round r−1: fetch the miners' signed publications of r−1 over the permit-only RPC, and hand them with
+   θ_{r−1}, Δ̄_{r−1} and who took part in that all-reduce to the :class:`~template.validation.round.RoundScorer`
+   (integrity, copies, replays, loss gains on assigned vs unassigned data); fold the round scores into the
+   :class:`~template.validation.rewards.ScoreBook` and save it;
+2. set weights from the book (``SetWeights`` with ``template.spec_version`` as the version key) every
+   ``--validator.weights_every`` rounds;
+3. join round r's all-reduce as an auxiliary peer (no contribution) and apply the outer step, so the validator holds
+   θ_{r+1} like the miners; keep θ_r for step 1 of the next round.
+
+Scoring must end before the miners' all-reduce of round r begins (the validator takes part in it): miners not scored
+by then are scored first in a later round (the book's rotation).
+
+On failure: a miner that cannot be fetched (refused, timed out, not published) scores 0 for the round; a failed
+all-reduce makes the validator re-sync θ from peers next round and score that round without Δ̄ and participation
+(nobody is penalized for what the validator could not see); a refused ``SetWeights`` (rate limit, chain error) is
+logged and tried again next round. The score book and the replay history are written atomically after every scored
+round and read back on start, so a validator killed and restarted keeps its scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import bittensor as bt
+import torch
+
+import template
+from template.base.neuron import NeuronContext, RoundClock
+from template.base.telemetry import Telemetry
+from template.p2p.identity import PeerDirectory
+from template.p2p.publication import FetchError, NotFoundError, ProtocolError, Publication, fetch_publication
+from template.protocol import PROTOCOL_VERSION, FetchRequest
+from template.training.averaging import AveragingResult
+from template.training.cli import averaging_config_from, run_spec_from
+from template.training.data import build_corpus, load_tokenizer
+from template.training.diloco import DiLoCoPeer
+from template.validation.integrity import IntegrityConfig
+from template.validation.rewards import RewardConfig, ScoreBook
+from template.validation.round import Candidate, RoundContext, RoundScorer, Verdict
+from template.validation.scoring import LossProbe, ScoringConfig, WindowSampler
+
+log = logging.getLogger(__name__)
+
+SCORING_MARGIN_S = 1.0  # stop scoring this long before the round's all-reduce matchmaking starts
+FETCH_RETRY_S = 2.0  # a miner that has not published yet is asked again after this long (its rate limit!)
+
+
+def add_validator_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("validator")
+    group.add_argument("--neuron.allow_no_permit", dest="neuron_allow_no_permit", action="store_true",
+                       help="run even without a validator permit (weights from such a validator do not count)")
+    group.add_argument("--validator.eval_windows", dest="validator_eval_windows", type=int,
+                       default=ScoringConfig.eval_windows,
+                       help="windows of assigned and of other data evaluated per miner (default %(default)s)")
+    group.add_argument("--validator.max_miners", dest="validator_max_miners", type=int, default=0,
+                       help="miners scored per round, least recently scored first (0 = all; default %(default)s)")
+    group.add_argument("--validator.fetch_timeout", dest="validator_fetch_timeout", type=float, default=20.0,
+                       help="seconds one publication fetch may take (default %(default)s)")
+    group.add_argument("--validator.ema_alpha", dest="validator_ema_alpha", type=float,
+                       default=RewardConfig.ema_alpha, help="weight of the newest round in the score average")
+    group.add_argument("--validator.power", dest="validator_power", type=float, default=RewardConfig.power,
+                       help="weights are score ** power, normalized (default %(default)s)")
+    group.add_argument("--validator.weights_every", dest="validator_weights_every", type=int, default=1,
+                       help="set weights every N scored rounds (default %(default)s)")
+
+
+@dataclass
+class PendingRound:
+    """Round r as the validator lived it, kept until it is scored during round r+1."""
+
+    round: int
+    theta: list[torch.Tensor]
+    theta_hash: str
+    averaged: list[torch.Tensor] | None
+    result: AveragingResult | None
+    directory: PeerDirectory
+
+
+class Validator:
+    def __init__(self, ctx: NeuronContext, args: argparse.Namespace, device: str) -> None:
+        self.ctx = ctx
+        self.args = args
+        self.stop = ctx.stop
+        spec = run_spec_from(args)
+        tokenizer = load_tokenizer(args.run_tokenizer)
+        corpus = build_corpus(args.run_data, tokenizer, spec.seq_len, text_column=args.run_text_column,
+                              max_tokens=args.run_max_tokens, cache_dir=ctx.state_dir / "cache")
+        self.clock = RoundClock(ctx.chain, args.neuron_blocks_per_round, args.neuron_allreduce_fraction)
+        self.directory = ctx.settled_directory()
+        averaging = self.clock.fit_averaging(averaging_config_from(args, max(2, len(self.directory))))
+        averaging = dataclasses.replace(averaging, auxiliary=True)
+        self.peer = DiLoCoPeer(spec, corpus, tokenizer.vocab_size, peer_key=ctx.hotkey, dht=ctx.dht,
+                               averaging=averaging, device=device, checkpoint_dir=ctx.state_dir / "checkpoints")
+        self.peer.max_inner_steps = 0  # an auxiliary peer: receives Δ̄, contributes nothing
+        self.peer.keep_base = True
+        self.layout = [(name, tuple(p.shape)) for name, p in self.peer.model.named_parameters()]
+        secret = load_or_create_secret(ctx.state_dir / "validator_secret.json")
+        self.scorer = RoundScorer(
+            LossProbe(self.peer.model, corpus, spec.batch_size, device),  # scratch: run_round reloads θ each round
+            WindowSampler(self.peer.assignment, spec.inner_steps * spec.batch_size, secret),
+            [torch.Size(shape) for _, shape in self.layout],
+            integrity=IntegrityConfig(), scoring=ScoringConfig(eval_windows=args.validator_eval_windows),
+            sketch_seed=secret,
+        )
+        self.book_path = ctx.state_dir / "scores.json"
+        self.history_path = ctx.state_dir / "sketches.safetensors"
+        self.book = ScoreBook.load(self.book_path, RewardConfig(args.validator_ema_alpha, args.validator_power))
+        self.scorer.load_history(self.history_path)
+        self.p2p = ctx.runner.run(ctx.dht.replicate_p2p())
+        self.telemetry = Telemetry.open(args, role="validator", name=f"validator-uid{ctx.uid}",
+                                        directory=ctx.state_dir,
+                                        config=dict(dataclasses.asdict(spec), uid=ctx.uid, hotkey=ctx.hotkey))
+        self.rounds_scored = 0
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        """Rounds until stopped or ``--neuron.max_rounds``; returns how many rounds ran."""
+        self.ctx.join_peers(self.directory)
+        source = self.peer.restore(peer_timeout_s=5.0)
+        now = self.clock.now()
+        log.info("validator uid %d (%s) ready: state from %s, %d miners scored before, chain round %d",
+                 self.ctx.uid, self.ctx.hotkey, source, len(self.book.miners), now.round)
+        self.ctx.emit("ready", uid=self.ctx.uid, hotkey=self.ctx.hotkey, peer_id=str(self.ctx.dht.peer_id),
+                      restored=source, chain_round=now.round, scores_restored=len(self.book.miners))
+        target, done, pending = now.round + 1, 0, None
+        max_rounds = self.args.neuron_max_rounds
+        round_timeout = 4 * self.clock.blocks_per_round * self.clock.seconds_per_block + 60
+        while not self.stop.is_set() and not (max_rounds and done >= max_rounds):
+            now = self.clock.wait_for_round(target, self.stop, round_timeout)
+            if now is None:
+                break
+            train_until, finish_by = self.clock.phases(now, self.peer.averaging_config.matchmaking_time)
+            if pending is not None:
+                self._score(pending, scoring_deadline=train_until - SCORING_MARGIN_S)
+            self.peer.skip_to(now.round)
+            report = self.peer.run_round(train_until=train_until, finish_by=finish_by)
+            pending = PendingRound(report.round, self.peer.last_base, report.base_theta_hash,
+                                   self.peer.last_averaged if report.allreduce_ok else None,
+                                   self.peer.last_result if report.allreduce_ok else None, self.directory)
+            self.ctx.emit("synced", uid=self.ctx.uid, round=report.round, theta_hash=report.theta_hash,
+                          heldout_loss=report.heldout_loss, allreduce_ok=report.allreduce_ok,
+                          group_size=report.group_size, group_hotkeys=self._group_hotkeys(pending),
+                          allreduce_s=report.allreduce_s, bytes_sent=report.bytes_sent)
+            self.directory = self.ctx.directory()
+            self.ctx.join_peers(self.directory)
+            target, done = now.round + 1, done + 1
+        return done
+
+    # ------------------------------------------------------------------------------------------ scoring
+
+    def _score(self, pending: PendingRound, scoring_deadline: float) -> None:
+        started = time.monotonic()
+        directory = self.ctx.directory()  # miners registered now, with their PeerIDs
+        # Every other neuron with a PeerID: a permit is no sign of a validator (miners that earn emission gain stake
+        # and, on a small subnet, a permit); a validator publishes nothing and so scores 0.
+        miners = {r.hotkey: r for r in directory if r.hotkey != self.ctx.hotkey}
+        chosen = self.book.choose(miners, pending.round, self.args.validator_max_miners)
+        publications = self.ctx.runner.run(
+            self._fetch_all([miners[h].peer_id for h in chosen], chosen, pending.round, scoring_deadline),
+            timeout=max(scoring_deadline - time.time(), 0.0) + self.args.validator_fetch_timeout + 5,
+        )
+        fetch_s = time.monotonic() - started
+        participation = self._participation(pending)
+        block = self.ctx.chain.block()
+        candidates = []
+        for hotkey in chosen:
+            fetched = publications[hotkey]
+            share = participation.get(hotkey, 0.0)
+            participated = None if pending.result is None else share > 0
+            if isinstance(fetched, str):
+                candidates.append(Candidate(hotkey, miners[hotkey].uid, None, fetch_error=fetched,
+                                            participated=participated))
+                continue
+            meta = fetched.meta
+            tensors = [fetched.tensors[name] for name in meta.names]
+            candidates.append(Candidate(hotkey, miners[hotkey].uid, tensors, meta.base_theta_hash,
+                                        meta.published_at_block, participated=participated,
+                                        share_of_average=share))
+        context = RoundContext(pending.round, pending.theta, pending.theta_hash, pending.averaged,
+                               first_block=pending.round * self.clock.blocks_per_round, last_block=block)
+        verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline)
+        self.book.update(pending.round, {v.hotkey: v.score for v in verdicts}, {v.hotkey: v.reason for v in verdicts})
+        self.book.forget_except(r.hotkey for r in directory)
+        self.book.save(self.book_path)
+        self.scorer.save_history(self.history_path)
+        self.rounds_scored += 1
+        self._report_scores(pending.round, verdicts, time.monotonic() - started, fetch_s)
+        if self.rounds_scored % max(1, self.args.validator_weights_every) == 0:
+            self._set_weights(pending.round, directory)
+
+    async def _fetch_all(self, peer_ids: list[str], hotkeys: list[str], round: int,
+                         deadline: float) -> dict[str, Publication | str]:
+        """Every chosen miner's publication of ``round`` (or why not), fetched concurrently, polled until
+        ``deadline`` while a miner has not published yet."""
+        request = FetchRequest(version=PROTOCOL_VERSION, netuid=self.ctx.chain_args.netuid, round=round)
+
+        async def one(peer_id: str, hotkey: str) -> Publication | str:
+            while True:
+                try:
+                    return await fetch_publication(self.p2p, peer_id, request, expected_hotkey=hotkey,
+                                                   timeout=self.args.validator_fetch_timeout,
+                                                   expected_layout=self.layout)
+                except NotFoundError as err:
+                    if time.time() + FETCH_RETRY_S > deadline:
+                        return f"not published ({err})"
+                    await asyncio.sleep(FETCH_RETRY_S)
+                except (FetchError, ProtocolError, ValueError) as err:
+                    return f"{type(err).__name__}: {err}"
+
+        results = await asyncio.gather(*(one(p, h) for p, h in zip(peer_ids, hotkeys, strict=True)))
+        return dict(zip(hotkeys, results, strict=True))
+
+    def _participation(self, pending: PendingRound) -> dict[str, float]:
+        """hotkey → its share of the round's Δ̄ (token weight / total), for miners whose parts were included."""
+        result = pending.result
+        if result is None:
+            return {}
+        total = sum(result.weights.values())
+        shares = {}
+        for peer_id, weight in result.weights.items():
+            record = pending.directory.get(peer_id)
+            if record is not None and weight > 0 and result.coverage.get(peer_id, 0.0) >= 0.5 and total > 0:
+                shares[record.hotkey] = weight / total
+        return shares
+
+    def _group_hotkeys(self, pending: PendingRound) -> list[str]:
+        if pending.result is None:
+            return []
+        return sorted(r.hotkey for peer_id in pending.result.group if (r := pending.directory.get(peer_id)))
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def _set_weights(self, round: int, directory: PeerDirectory) -> None:
+        graph = self.ctx.chain.metagraph()
+        uid_of = {hotkey: uid for uid, hotkey in enumerate(graph.hotkeys)}
+        weights = self.book.weights(uid_of)
+        block = self.ctx.chain.block()
+        if not weights:
+            log.info("no miner has a positive score yet: weights not set")
+            self.ctx.emit("weights", round=round, block=block, ok=False, weights={}, error="no positive score")
+            return
+        try:
+            self.ctx.chain.set_weights(self.ctx.wallet, weights, version_key=template.spec_version)
+        except (bt.ChainError, ConnectionError, TimeoutError, OSError) as err:
+            log.warning("set_weights refused at block %d: %s; trying again next round", block, err)
+            self.ctx.emit("weights", round=round, block=block, ok=False, weights=_str_keys(weights), error=str(err))
+            return
+        self.book.last_weights_block = block
+        self.book.save(self.book_path)
+        log.info("weights set at block %d: %s", block, weights)
+        self.ctx.emit("weights", round=round, block=block, ok=True, weights=_str_keys(weights), error="")
+        print(f"weights set at block {block}: " + ", ".join(f"uid{u} {w:.3f}" for u, w in weights.items()),
+              file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------------------------ reporting
+
+    def _report_scores(self, round: int, verdicts: list[Verdict], seconds: float, fetch_s: float) -> None:
+        rows = []
+        for v in verdicts:
+            record = self.book.miners.get(v.hotkey)
+            rows.append(dict(uid=v.uid, hotkey=v.hotkey, score=v.score, ema=record.ema if record else 0.0,
+                             reason=v.reason, participated=v.participated, norm=v.norm,
+                             gain_assigned=v.gains.assigned if v.gains else None,
+                             gain_unassigned=v.gains.unassigned if v.gains else None))
+        self.ctx.emit("scored", uid=self.ctx.uid, round=round, seconds=seconds, fetch_s=fetch_s, miners=rows)
+        self.telemetry.log({f"score/uid{r['uid']}": r["score"] for r in rows}
+                           | {f"ema/uid{r['uid']}": r["ema"] for r in rows} | {"scoring_s": seconds}, step=round)
+        top = sorted(rows, key=lambda r: -r["ema"])[:5]
+        print(f"round {round}: scored {len(rows)} miners in {seconds:.1f}s; top "
+              + ", ".join(f"uid{r['uid']} {r['ema']:.2f}" for r in top), file=sys.stderr, flush=True)
+        for r in rows:
+            log.info("round %d uid %d: score %.4f ema %.3f %s", round, r["uid"], r["score"], r["ema"],
+                     r["reason"] or "ok")
+
+    def close(self) -> None:
+        self.ctx.runner.run(self.p2p.shutdown())
+        self.telemetry.close()
+        self.peer.shutdown()
+
+
+def load_or_create_secret(path: Path) -> int:
+    """The validator's private seed for window samples and sketches: random on first start, then kept, so that
+    miners cannot predict what will be checked and a restart checks consistently."""
+    if path.exists():
+        try:
+            return int(json.loads(path.read_text())["seed"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"cannot read {path}: {err}; delete it to draw a new secret") from None
+    seed = secrets.randbits(62)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"seed": seed}))
+    return seed
+
+
+def _str_keys(weights: dict[int, float]) -> dict[str, float]:
+    return {str(uid): w for uid, w in weights.items()}

@@ -1,0 +1,67 @@
+"""Test doubles for the copy attack: a miner whose Δ leaks, and miners that re-publish the leaked Δ.
+
+Only validator-permit holders may fetch a miner's publication, so copying someone's Δ needs a leak (a colluding
+miner, or a validator that passes Δs on). ``LeakyHonest`` is an honest miner that leaks: one second after each
+publication (a copier can only copy what was already published) it writes its Δ to ``$DILOCO_LEAK_DIR``.
+``CopyLeaked`` trains nothing and publishes the leaked Δ of the round, exactly; ``CopyLeakedNoisy`` adds noise of
+1e-3 × each tensor's std, so that the bytes differ. Used as ``--miner.behaviour tests.integration.copy_behaviours:X``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from template.base.behaviours import MinerBehaviour, Tensors
+from template.training.diloco import DiLoCoPeer
+
+LEAK_WAIT_S = 8.0
+
+
+def _leak_path(round: int) -> Path:
+    return Path(os.environ["DILOCO_LEAK_DIR"]) / f"round-{round}.safetensors"
+
+
+class LeakyHonest(MinerBehaviour):
+    name = "honest"
+
+    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
+        tensors = {str(i): t.contiguous().clone() for i, t in enumerate(delta)}
+
+        def leak() -> None:
+            path = _leak_path(round)
+            tmp = path.with_name(path.name + ".tmp")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)
+
+        threading.Timer(1.0, leak).start()
+        return delta
+
+
+class CopyLeaked(MinerBehaviour):
+    name = "copy-leaked"
+    noise_scale = 0.0
+
+    def configure(self, peer: DiLoCoPeer) -> None:
+        peer.max_inner_steps = 0
+
+    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
+        path = _leak_path(round)
+        deadline = time.monotonic() + LEAK_WAIT_S
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not path.exists():
+            return delta  # nothing leaked this round: publish the zero Δ it has
+        leaked = load_file(str(path))
+        copied = [leaked[str(i)] for i in range(len(delta))]
+        return [t + self.noise_scale * t.std() * torch.randn(t.shape) for t in copied]
+
+
+class CopyLeakedNoisy(CopyLeaked):
+    name = "copy-leaked-noisy"
+    noise_scale = 1e-3
