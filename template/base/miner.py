@@ -170,7 +170,7 @@ class Miner:
 
     def close(self) -> None:
         if self.ctx is not None:
-            self.ctx.runner.run(self.server.stop())
-            self.ctx.runner.run(self.p2p.shutdown())
+            self.ctx.runner.run_on_close(self.server.stop(), "the publication server")
+            self.ctx.runner.run_on_close(self.p2p.shutdown(), "the P2P replica")
         self.telemetry.close()
         self.peer.shutdown()

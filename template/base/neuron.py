@@ -110,6 +110,14 @@ class AsyncRunner:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def run_on_close(self, coro: Coroutine[Any, Any, Any], what: str, timeout: float = 10.0) -> None:
+        """Best effort at shutdown: the hivemind daemon may be gone already (a SIGTERM to the neuron's process group
+        reaches it too), and a failed goodbye must not keep the rest of the neuron from closing."""
+        try:
+            self.run(coro, timeout)
+        except Exception as err:  # any failure here only means there is nothing left to close
+            log.debug("closing %s: %r", what, err)
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)

@@ -287,7 +287,7 @@ class Validator:
                      r["reason"] or "ok")
 
     def close(self) -> None:
-        self.ctx.runner.run(self.p2p.shutdown())
+        self.ctx.runner.run_on_close(self.p2p.shutdown(), "the P2P replica")
         self.telemetry.close()
         self.peer.shutdown()
 

@@ -1,6 +1,6 @@
 """Smoke test of the benchmarks: each runs with ``--quick`` in its own subprocess and prints one sane JSON object.
 
-The four benchmarks run at the same time (most of their time is process start-up and waiting on loopback), so the
+The benchmarks run at the same time (most of their time is process start-up and waiting on loopback), so the
 whole test stays under a minute on two idle cores. Every check is on the numbers they print: shapes, finiteness,
 and relations that must hold whatever the machine's speed (codec sizes, the analytic byte bounds, losses below
 chance level).
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ("convergence", "allreduce", "round_overhead", "bytes_per_round")
+BENCHMARKS = ("convergence", "allreduce", "round_overhead", "bytes_per_round", "validator_cost")
 CHANCE_LOSS = math.log(257)  # uniform over the byte vocabulary: θ_0's loss is about this
 
 
@@ -138,3 +138,17 @@ def test_bytes_per_round_quick(outputs):
     assert codecs["int8"]["dp_over_diloco"] == pytest.approx(4 * h / (1 + 4 / 256), rel=0.01)
     analytic = result["analytic"]
     assert analytic["tiny"]["params"] == codecs["none"]["params"] and analytic["small"]["params"] > 50_000_000
+
+
+@pytest.mark.timeout(180)
+def test_validator_cost_quick(outputs):
+    result = outputs["validator_cost"]
+    check_common(result, "validator_cost")
+    (tiny,) = result["results"]
+    assert tiny["preset"] == "tiny" and tiny["miners"] == 4 and tiny["parameters"] > 1_000_000
+    assert tiny["t_step_s"] > 0 and tiny["t_miner_s"] > 0
+    assert tiny["ratio_miner_to_step"] == pytest.approx(tiny["t_miner_s"] / tiny["t_step_s"], rel=0.02)
+    assert tiny["scoring_total_s"] == pytest.approx(4 * tiny["t_miner_s"], rel=0.02)
+    localnet = result["localnet"]
+    assert 0 < localnet["scoring_budget_s"] < localnet["round_s"]
+    assert localnet["fits_one_round"] == (localnet["tiny_16_miners_s"] <= localnet["scoring_budget_s"])
