@@ -185,6 +185,7 @@ class DiLoCoPeer:
             config = averaging or AveragingConfig()
             config = AveragingConfig(**{**asdict(config), "prefix": f"{spec.run_id}_{self.fingerprint}"})
             self.averaging_config = config
+            self.min_contributors = min(2, config.min_group_size)  # trainers (tokens > 0) a group needs to count
             shapes = [p.shape for p in self.model.parameters()]
             self.averager = PseudoGradientAverager(dht, shapes, config, state_provider=self._shared_state)
 
@@ -317,6 +318,11 @@ class DiLoCoPeer:
             return False, "no averager"
         if not result.ok:
             return False, result.reason
+        contributors = sum(1 for weight in result.weights.values() if weight > 0)
+        if contributors < self.min_contributors:
+            # hivemind counts auxiliary members (validators) and zero-token members toward the group size: a
+            # trainer "averaging" with a validator alone would apply its own Δ and drift away from the others
+            return False, f"only {contributors} peer(s) with tokens in the group: round not applied"
         bases: Counter[str] = Counter()
         for peer, gathered in result.group.items():
             if isinstance(gathered, dict) and isinstance(gathered.get("base"), str):
