@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint clean
+.PHONY: venv test test-fast lint localnet clean
 
 $(STAMP): setup.py requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit
+
+# The whole subnet on this machine: mock chain, 1 validator, 3 miners, 3 rounds; report in runs/localnet-TIME/.
+localnet: $(STAMP)
+	$(PY) -m template.localnet --miners 3 --rounds 3
 
 lint: $(STAMP)
 	$(PY) -m ruff check template neurons tests benchmarks scripts

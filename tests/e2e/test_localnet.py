@@ -1,0 +1,125 @@
+"""The local network command end to end, as a newcomer runs it: mock chain, validator and two miners as real
+processes on 127.0.0.1, the tiny model, two rounds. It must exit 0 with a report whose checks all hold, and leave no
+process behind — also when interrupted with Ctrl-C (SIGINT) and when a child dies.
+
+Leftovers are found by the run marker every child inherits in its environment (hivemind's p2pd daemons included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from template.localnet import RUN_MARKER_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def localnet(out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "template.localnet", "--out", str(out), "--miners", "2", "--rounds", "2", *flags]
+
+
+def leftovers(out: Path) -> list[str]:
+    """Live processes whose environment carries this run's marker."""
+    marker = f"{RUN_MARKER_ENV}={out}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
+                found.append(f"{proc.name}: {command!r}")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def assert_nothing_left(out: Path) -> None:
+    deadline = time.monotonic() + 10
+    while (left := leftovers(out)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+
+
+def first_round_reported(out: Path) -> bool:
+    for events in out.glob("miner*.events"):
+        if any(json.loads(line).get("event") == "round" for line in events.read_text().splitlines() if line.strip()):
+            return True
+    return False
+
+
+@pytest.mark.timeout(600)
+def test_two_miners_and_a_validator_train_set_weights_and_pass_the_checks(tmp_path):
+    out = tmp_path / "run"
+    started = time.monotonic()
+    done = subprocess.run(localnet(out), cwd=REPO, capture_output=True, text=True, timeout=560)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert_nothing_left(out)
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is True
+    assert report["checks"] == dict(loss_fell=True, models_identical=True, weights_on_chain=True)
+    rounds = report["rounds"]
+    assert len(rounds) >= 2 and rounds[-1]["heldout_loss"] < rounds[0]["heldout_loss"]
+    assert all(len(row["theta_hashes"]) == 1 and row["group_size"] >= 2 and row["bytes_per_peer"] > 0
+               for row in rounds)
+    neurons = report["neurons"]
+    assert [(row["uid"], row["role"], row["behaviour"]) for row in neurons] == [
+        (0, "validator", None), (1, "miner", "honest"), (2, "miner", "honest")]
+    assert all(row["hotkey"].startswith("5") for row in neurons)
+    assert any(row["incentive"] > 0 and row["weight"] > 0 for row in neurons if row["role"] == "miner")
+    assert report["weights_set"] and any(entry["ok"] for entry in report["weights_set"])
+
+    for name in ("loss.png", "weights.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    page = (out / "report.html").read_text()
+    assert 'src="loss.png"' in page and 'src="weights.png"' in page and "PASSED" in page
+    for name in ("chain", "validator", "miner1", "miner2"):
+        assert (out / f"{name}.log").stat().st_size > 0
+    assert "round" in output and "PASSED" in done.stdout and str(out / "report.html") in done.stdout
+    print(f"local network e2e: {time.monotonic() - started:.0f}s")
+
+
+@pytest.mark.timeout(400)
+def test_ctrl_c_stops_every_process(tmp_path):
+    out = tmp_path / "run"
+    # short rounds: the first one ends sooner (whether the miners agree does not matter here)
+    command = localnet(out, "--rounds", "50", "--blocks-per-round", "16")
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not first_round_reported(out) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        assert process.poll() is None, process.communicate()[0][-4000:]
+        assert first_round_reported(out), "no miner finished a round in 300 s"
+        assert leftovers(out)  # the marker does find the running network
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:  # only if the assertion above failed: do not leave the network running
+            os.killpg(process.pid, signal.SIGINT)
+            process.communicate(timeout=60)
+    assert process.returncode == 130, output[-4000:]
+    assert "interrupted" in output
+    assert_nothing_left(out)
+
+
+@pytest.mark.timeout(300)
+def test_a_child_that_dies_stops_the_network_with_its_name_and_log(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run(localnet(out, "--data", str(tmp_path / "no-such-corpus.txt")), cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "exited with code" in done.stderr and "no-such-corpus.txt" in done.stderr, done.stderr[-4000:]
+    assert not (out / "report.json").exists()
+    assert_nothing_left(out)

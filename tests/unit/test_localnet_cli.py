@@ -1,0 +1,144 @@
+"""The local network command without processes: option checks, the neurons' command lines (parsed by the neurons'
+own parsers, so the flags cannot drift apart), the children's environment, and the terminal view."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+
+from template.localnet import (
+    NETUID,
+    RUN_MARKER_ENV,
+    LocalnetConfig,
+    child_env,
+    config_from_args,
+    neuron_command,
+)
+from template.localnet_report import NeuronInfo
+from template.localnet_view import LiveView, last_progress, print_summary, tail_text
+from template.training.cli import run_spec_from
+
+REPO = Path(__file__).resolve().parents[2]
+VALIDATOR = NeuronInfo("validator", "validator", 0, "5Val")
+MINER = NeuronInfo("miner1", "miner", 1, "5Mi1", "copycat")
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"neuron_script_{name}", REPO / "neurons" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults_and_behaviours(tmp_path):
+    config = config_from_args(["--out", str(tmp_path / "run")])
+    assert config.miners == 3 and config.rounds == 3 and config.model == "tiny" and config.data == "builtin"
+    assert config.miner_behaviours() == ["honest"] * 3 and config.out == (tmp_path / "run").resolve()
+    config = config_from_args(["--out", str(tmp_path / "r"), "--miners", "2", "--miner-behaviours",
+                               "honest, template.base.behaviours:Copycat"])
+    assert config.miner_behaviours() == ["honest", "template.base.behaviours:Copycat"]
+
+
+def test_data_files_are_made_absolute_for_the_neurons(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = config_from_args(["--out", "run", "--data", "a.txt,texts/*.jsonl"])
+    assert config.data == f"{tmp_path / 'a.txt'},{tmp_path / 'texts' / '*.jsonl'}"
+    assert config_from_args(["--out", "run2", "--data", "hf:wikitext:wikitext-2-raw-v1"]).data.startswith("hf:")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--miners", "1"], "--miners must be >= 2"),
+    (["--rounds", "1"], "--rounds must be >= 2"),
+    (["--miners", "2", "--miner-behaviours", "honest"], "names 1 behaviours for 2 miners"),
+    (["--miner-behaviours", "honest,honest,hacker"], "unknown behaviour 'hacker'"),
+    (["--seconds-per-block", "0"], "--seconds-per-block > 0"),
+])
+def test_bad_options_are_refused_with_the_reason(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_args(["--out", str(tmp_path / "run"), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_used_run_directory_is_refused(tmp_path, capsys):
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        config_from_args(["--out", str(tmp_path)])
+    assert "is not empty" in capsys.readouterr().err
+
+
+def test_neuron_commands_parse_with_the_neurons_own_parsers_and_agree_on_the_run(tmp_path):
+    config = LocalnetConfig(out=tmp_path, inner_steps=7, seq_len=32, compression="none", data="builtin")
+    url = "mock://127.0.0.1:9999"
+    miner_command = neuron_command(config, MINER, url, tmp_path)
+    validator_command = neuron_command(config, VALIDATOR, url, tmp_path)
+    assert miner_command[1] == "neurons/miner.py" and validator_command[1] == "neurons/validator.py"
+    miner = load_script("miner").build_parser().parse_args(miner_command[2:])
+    validator = load_script("validator").build_parser().parse_args(validator_command[2:])
+    assert miner.miner_behaviour == "copycat" and miner.wandb_off and validator.wandb_off
+    assert run_spec_from(miner) == run_spec_from(validator)
+    assert run_spec_from(miner).inner_steps == 7 and run_spec_from(miner).seq_len == 32
+    for args, name in ((miner, "miner1"), (validator, "validator")):
+        assert args.netuid == NETUID and args.subtensor_network == url and args.wallet_name == name
+        assert args.neuron_events_file == str(tmp_path / f"{name}.events")
+        assert args.neuron_full_path == str(tmp_path / name) and args.neuron_torch_threads == 1
+        assert args.averaging_compression == "none" and args.neuron_blocks_per_round == config.blocks_per_round
+
+
+def test_children_carry_the_run_marker_and_keep_the_token_cache_in_the_run(tmp_path):
+    env = child_env(tmp_path)
+    assert env[RUN_MARKER_ENV] == str(tmp_path)
+    assert env["BTCLI_TOKEN_SYMBOLS_CACHE"] == str(tmp_path / "token_symbols.json")
+    assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_log_tails_show_what_a_terminal_shows(tmp_path):
+    log = tmp_path / "miner1.log"
+    log.write_bytes(b"starting\n\r\x1b[Kround 4 step 1/10 loss 5.612 812 tok/s, round ends in 9s, peers 3"
+                    b"\r\x1b[Kround 4 step 2/10 loss 5.401 905 tok/s, round ends in 8s, peers 3\nTraceback: boom\n")
+    assert tail_text(log, 2) == "round 4 step 2/10 loss 5.401 905 tok/s, round ends in 8s, peers 3\nTraceback: boom"
+    assert last_progress(log).groups() == ("4", "2", "10", "5.401", "905")
+    assert tail_text(tmp_path / "missing.log", 5) == "" and last_progress(tmp_path / "missing.log") is None
+
+
+def test_the_view_shows_each_neuron_and_prints_rounds_and_weights(tmp_path):
+    (tmp_path / "miner1.log").write_text("\rround 6 step 3/10 loss - 700 tok/s, round ends in 5s, peers 2")
+    stream = io.StringIO()
+    view = LiveView(stream, interactive=True)
+    view.track([VALIDATOR, MINER], {"validator": tmp_path / "validator.log", "miner1": tmp_path / "miner1.log"})
+    view.handle(dict(event="synced", peer_key="validator", round=5, heldout_loss=4.25))
+    view.handle(dict(event="scored", peer_key="validator", round=5, miners=[{"uid": 1}, {"uid": 2}]))
+    view.handle(dict(event="weights", peer_key="validator", round=5, block=140, ok=True,
+                     weights={"2": 0.6, "1": 0.4}, error=""))
+    view.refresh()
+    view.round_line(dict(round=5, heldout_loss=4.25, loss=4.5, group_size=2, allreduce_s=0.31,
+                         bytes_per_peer=2_500_000, theta_hashes=["abc"]))
+    text = stream.getvalue()
+    assert "weights round 5 at block 140: uid 1 0.40, uid 2 0.60" in text
+    assert "round 5 done: held-out loss 4.2500 (train 4.5000), group 2, all-reduce 0.31s, 2.50 MB/peer, " \
+           "θ identical; last weights: round 5 at block 140" in text
+    statuses = view.statuses
+    assert statuses["validator"].work == "scored 2" and statuses["validator"].loss == 4.25
+    assert statuses["miner1"].round == 6 and statuses["miner1"].work == "step 3/10"
+    assert statuses["miner1"].loss is None and statuses["miner1"].tokens_per_s == 700.0
+    assert "\033[2A" in text  # the two status lines were redrawn in place
+    view.close()
+    plain = io.StringIO()
+    LiveView(plain, interactive=False).line("hello")
+    assert plain.getvalue() == "hello\n"
+
+
+def test_the_summary_names_checks_and_the_report(tmp_path):
+    report = dict(passed=False, checks=dict(loss_fell=True, models_identical=False, weights_on_chain=True),
+                  neurons=[dict(uid=0, role="validator", behaviour=None, score=None, weight=None, incentive=0.0,
+                                emission=5.0),
+                           dict(uid=1, role="miner", behaviour="honest", score=0.5, weight=1.0, incentive=1.0,
+                                emission=5.0)])
+    stream = io.StringIO()
+    print_summary(report, tmp_path, stream)
+    text = stream.getvalue()
+    assert "models_identical NO" in text and text.rstrip().endswith("FAILED")
+    assert f"{tmp_path / 'report.html'}" in text and "uid 1   miner     honest" in text
