@@ -37,10 +37,21 @@ class ChainArgs:
     subtensor: SubtensorConfig
 
 
+def netuid_flag(text: str) -> int:
+    """``--netuid``: a subnet uid is a non-negative integer; argparse turns the error into usage + exit code 2."""
+    try:
+        netuid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if netuid < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {netuid}")
+    return netuid
+
+
 def add_chain_args(parser: argparse.ArgumentParser, *, require_netuid: bool = True) -> None:
     """Add --netuid, --wallet.*, --subtensor.network (defaults from BT_* environment variables)."""
     env = os.environ.get
-    parser.add_argument("--netuid", type=int, required=require_netuid, help="subnet uid to work on")
+    parser.add_argument("--netuid", type=netuid_flag, required=require_netuid, help="subnet uid to work on")
     group = parser.add_argument_group("wallet")
     group.add_argument("--wallet.name", dest="wallet_name", default=env("BT_WALLET", WalletConfig.name),
                        help="coldkey wallet name (env BT_WALLET; default %(default)s)")
@@ -55,8 +66,6 @@ def add_chain_args(parser: argparse.ArgumentParser, *, require_netuid: bool = Tr
 
 
 def chain_args_from(namespace: argparse.Namespace) -> ChainArgs:
-    if namespace.netuid is not None and namespace.netuid < 0:
-        raise SystemExit(f"--netuid must be >= 0, got {namespace.netuid}")
     return ChainArgs(
         netuid=namespace.netuid,
         wallet=WalletConfig(namespace.wallet_name, namespace.wallet_hotkey, namespace.wallet_path),

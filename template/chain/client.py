@@ -48,9 +48,14 @@ class NotRegisteredError(LookupError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded exponential backoff for transport errors: waits base, 2·base, 4·base, ... capped at max_delay_s."""
+    """Bounded exponential backoff for transport errors: waits base, 2·base, 4·base, ... capped at max_delay_s.
 
-    attempts: int = 4
+    The defaults ride out a chain endpoint that is gone for up to ~30 s (0.5 + 1 + 2 + 4 + 8 + 8 + 8 s of waiting),
+    e.g. a node or mock chain restarted by its process manager; a shorter budget turned such restarts into neuron
+    crashes (tests/faults/test_chain_restart.py).
+    """
+
+    attempts: int = 8
     base_delay_s: float = 0.5
     max_delay_s: float = 8.0
 

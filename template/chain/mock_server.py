@@ -130,14 +130,19 @@ def encode_value(value: Any) -> Any:
 
 
 def decode_value(value: Any) -> Any:
-    """The inverse of :func:`encode_value`."""
+    """The inverse of :func:`encode_value`; ``ValueError`` for a malformed ``$bytes``/``$call`` tag."""
     if isinstance(value, list):
         return [decode_value(item) for item in value]
     if isinstance(value, dict):
         if set(value) == {"$bytes"}:
+            if not isinstance(value["$bytes"], str):
+                raise ValueError(f"$bytes must hold a hex string, got {value['$bytes']!r:.80}")
             return bytes.fromhex(value["$bytes"])
         if set(value) == {"$call"}:
-            module, function, params = value["$call"]
+            call = value["$call"]
+            if not (isinstance(call, list) and len(call) == 3 and all(isinstance(x, str) for x in call[:2])):
+                raise ValueError(f"$call must be [MODULE, FUNCTION, PARAMS], got {call!r:.80}")
+            module, function, params = call
             return Call(module, function, decode_value(params))
         return {key: decode_value(item) for key, item in value.items()}
     return value
@@ -483,7 +488,11 @@ class RemoteMockSubstrate:
                     self._drop_connection()
                     if attempt == 1 or method not in _READS:
                         raise bt.RpcConnectionError(f"mock chain at {self.url}: {method} failed: {error}") from error
-        return _unwrap(json.loads(raw))
+        try:
+            reply = json.loads(raw)
+        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+            raise MockServerError("BadReply", f"the reply to {method} is not JSON: {error}") from None
+        return _unwrap(reply)
 
     def _drop_connection(self) -> None:
         if self._sock is not None:
@@ -647,17 +656,24 @@ def _unsupported(what: str) -> bt.ChainError:
 
 
 def _unwrap(reply: Any) -> Any:
+    """A reply's result, or its error raised; a reply of any other shape is ``MockServerError("BadReply")``."""
     if not isinstance(reply, dict) or ("result" not in reply and "error" not in reply):
-        raise MockServerError("BadReply", f"unexpected reply {reply!r}")
+        raise MockServerError("BadReply", f"unexpected reply {reply!r:.200}")
     if "result" in reply:
-        return decode_value(reply["result"])
+        try:
+            return decode_value(reply["result"])
+        except ValueError as error:
+            raise MockServerError("BadReply", str(error)) from None
     error = reply["error"]
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        raise MockServerError("BadReply", f"unexpected error reply {error!r:.200}")
     if error.get("type") == "ChainError":
-        code = ErrorCode(error["code"]) if error.get("code") else None
-        raise bt.ChainError(error["message"], error.get("name"), code)
+        name, code = error.get("name"), error.get("code")
+        known = {c.value: c for c in ErrorCode}.get(code) if isinstance(code, str) else None
+        raise bt.ChainError(error["message"], name if isinstance(name, str) else None, known)
     if error.get("type") == "ValueError":
         raise ValueError(error["message"])
-    raise MockServerError(str(error.get("type")), str(error.get("message")))
+    raise MockServerError(str(error.get("type")), error["message"])
 
 
 # --- Command line --------------------------------------------------------------------------------------------------

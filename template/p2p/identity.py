@@ -9,8 +9,12 @@ characters). A hotkey has one commitment per subnet, so committing replaces any 
 
 On failure: :func:`commit_peer_id` raises ``bt.ChainError`` when the chain refuses (e.g. unregistered hotkey) and
 lets transport errors through; :func:`peer_directory` never raises on chain content: malformed or sealed commitments
-are skipped, and a PeerID claimed by more than one hotkey is dropped for all of them (logged), since nobody can tell
-which claim is honest. :func:`verify` returns False — never raises — for any malformed address, signature or payload.
+are skipped, and a PeerID claimed by more than one hotkey belongs to the hotkey that committed it first (the others'
+claims are ignored, logged). A PeerID is a fresh key's hash that nobody knows before its owner starts its host, so a
+copycat can only commit it later; letting every claim cancel the others instead would let any registered hotkey cut a
+validator or miner off the network by copying its PeerID. Claims committed in the same block are all dropped, since
+nobody can tell which is honest. :func:`verify` returns False — never raises — for any malformed address, signature
+or payload.
 """
 
 from __future__ import annotations
@@ -162,8 +166,9 @@ def _parse_axon(axon: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Addres
 
 
 def peer_directory(metagraph: bt.Metagraph) -> PeerDirectory:
-    """The directory of registered neurons that committed a well-formed PeerID; contested PeerIDs left out."""
-    claims: dict[str, list[PeerRecord]] = defaultdict(list)
+    """The directory of registered neurons that committed a well-formed PeerID; a PeerID claimed by several hotkeys
+    belongs to the earliest commitment (none of them when the earliest ones share a block)."""
+    claims: dict[str, list[tuple[int, PeerRecord]]] = defaultdict(list)
     for neuron in metagraph.neurons:
         commitment = metagraph.commitments.get(neuron.uid)
         value = None if commitment is None else commitment.value
@@ -172,15 +177,20 @@ def peer_directory(metagraph: bt.Metagraph) -> PeerDirectory:
             if value is not None:
                 log.debug("uid %d: commitment %r is not a PeerID binding", neuron.uid, value[:80])
             continue
-        claims[peer_id].append(
-            PeerRecord(peer_id, neuron.uid, neuron.hotkey, bool(neuron.validator_permit), neuron.axon)
-        )
+        record = PeerRecord(peer_id, neuron.uid, neuron.hotkey, bool(neuron.validator_permit), neuron.axon)
+        claims[peer_id].append((commitment.block, record))
     records = []
     for peer_id, claimants in claims.items():
-        if len(claimants) > 1:
-            log.warning("PeerID %s is claimed by uids %s: ignoring every claim", peer_id, [r.uid for r in claimants])
+        first_block = min(block for block, _ in claimants)
+        first = [record for block, record in claimants if block == first_block]
+        if len(first) > 1:
+            log.warning("PeerID %s is claimed by uids %s in the same block: ignoring every claim", peer_id,
+                        [r.uid for r in first])
             continue
-        records.append(claimants[0])
+        if len(claimants) > 1:
+            log.warning("PeerID %s, committed by uid %d at block %d, is also claimed later by uids %s: ignored",
+                        peer_id, first[0].uid, first_block, [r.uid for _, r in claimants if r is not first[0]])
+        records.append(first[0])
     return PeerDirectory(records)
 
 

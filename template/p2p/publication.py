@@ -37,8 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
@@ -51,6 +49,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
 from template.p2p.identity import PeerDirectory, is_peer_id, sign, verify
+from template.p2p.ratelimit import RateLimiter as _RateLimiter
 from template.protocol import (
     MAX_REASON_CHARS,
     MAX_REPLY_BYTES,
@@ -201,30 +200,6 @@ def _reply(status: str, reason: str) -> FetchReply:
 
 
 # --- miner side -------------------------------------------------------------------------------------------------
-
-
-class _RateLimiter:
-    """At most ``per_minute`` calls per key in any sliding 60 s window; forgets idle keys so memory stays bounded."""
-
-    WINDOW_S = 60.0
-
-    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic):
-        if per_minute < 1:
-            raise ValueError("max_requests_per_minute must be >= 1")
-        self.per_minute, self.clock = per_minute, clock
-        self._calls: dict[str, deque[float]] = {}
-
-    def allow(self, key: str) -> bool:
-        now = self.clock()
-        calls = self._calls.setdefault(key, deque())
-        while calls and calls[0] <= now - self.WINDOW_S:
-            calls.popleft()
-        allowed = len(calls) < self.per_minute
-        if allowed:
-            calls.append(now)
-        if len(self._calls) > 1024:  # many distinct callers: drop the ones whose window has emptied
-            self._calls = {k: v for k, v in self._calls.items() if v and v[-1] > now - self.WINDOW_S}
-        return allowed
 
 
 @dataclass(frozen=True)

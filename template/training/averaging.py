@@ -34,6 +34,8 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
 - Every peer that reports ``ok=True`` for the same ``group_id`` holds byte-identical Δ̄. Peers of one group
   can still differ in ``ok`` (an owner died after serving some peers but not others): a peer with ``ok=False``
   must skip the outer step and re-sync its state (:meth:`PseudoGradientAverager.load_state_from_peers`).
+- A peer that floods us with join requests or state downloads beyond its per-minute allowance is turned away
+  (logged); the all-reduce handler serves members of a running group only.
 
 Note: the RPC handle names contain the averager's class name (:class:`CheckedAverager`); it is part of the
 wire protocol, which also differs from stock hivemind's, so a stock ``DecentralizedAverager`` cannot join.
@@ -45,6 +47,7 @@ import asyncio
 import logging
 import math
 import time
+import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +72,7 @@ from hivemind.utils.asyncio import (
 )
 from hivemind.utils.serializer import MSGPackSerializer
 
+from template.p2p.ratelimit import RateLimiter
 from template.training.compression import CODEC_NAMES, CodecError, get_compression
 
 __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "CheckedAverager", "PseudoGradientAverager"]
@@ -95,6 +99,10 @@ class AveragingConfig:
     compression: str = "fp16"  # one of compression.CODEC_NAMES
     norm_clip_multiple: float | None = 3.0  # None or 0: no norm clipping (validation still applies)
     auxiliary: bool = False  # validators: contribute nothing, receive the average
+    # per-peer allowances of the handlers anyone who reaches our host may call (a peer sends a few join requests
+    # per round and downloads our state when it (re)joins; a flood beyond these is refused)
+    max_join_requests_per_minute: int = 120
+    max_state_downloads_per_minute: int = 30
     start_timeout: float = 30.0
     shutdown_timeout: float = 5.0
 
@@ -114,6 +122,8 @@ class AveragingConfig:
             raise ValueError("norm_clip_multiple must be None or >= 0")
         if self.part_size_bytes < 1024:
             raise ValueError("part_size_bytes must be >= 1024")
+        if self.max_join_requests_per_minute < 1 or self.max_state_downloads_per_minute < 1:
+            raise ValueError("the per-peer allowances must be >= 1 per minute")
 
 
 @dataclass
@@ -672,7 +682,9 @@ def _parse_group(group_info: GroupInfo) -> tuple[list[AveragingMode], list[float
 class CheckedAverager(DecentralizedAverager):
     """A ``DecentralizedAverager`` that runs :class:`CheckedAllReduceRunner` and refuses partial results.
 
-    Its class name is part of the RPC handle names: every peer of a run must use this class.
+    Its class name is part of the RPC handle names: every peer of a run must use this class. The two handlers any
+    peer may call without being in our group (join requests, state downloads) are rate-limited per peer; the
+    all-reduce handler serves the members of a running group only (:meth:`CheckedAllReduceRunner.rpc_aggregate_part`).
     """
 
     def __init__(
@@ -682,12 +694,38 @@ class CheckedAverager(DecentralizedAverager):
         *,
         norm_clip_multiple: float | None,
         state_provider: StateProvider | None,
+        max_join_requests_per_minute: int,
+        max_state_downloads_per_minute: int,
         **kwargs,
     ):
         self._norm_clip_multiple = norm_clip_multiple
         self._state_provider = state_provider
         self._reports: dict[bytes, dict] = {}
+        self._join_limiter = RateLimiter(max_join_requests_per_minute)  # lives in the averager process
+        self._download_limiter = RateLimiter(max_state_downloads_per_minute)
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    # hivemind derives each handler's wire form from its annotations and recognizes typing's AsyncIterator only
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's matchmaking, for peers within their allowance; others are told we are not available."""
+        if not self._join_limiter.allow(str(context.remote_id)):
+            logger.info("refused a join request from %s: over its per-minute allowance", context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """Our state, for peers within their allowance; others get an empty answer and ask the next peer."""
+        if not self._download_limiter.allow(str(context.remote_id)):
+            logger.info("refused a state download by %s: over its per-minute allowance", context.remote_id)
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -785,6 +823,8 @@ class PseudoGradientAverager:
             shutdown_timeout=config.shutdown_timeout,
             norm_clip_multiple=config.norm_clip_multiple,
             state_provider=state_provider,
+            max_join_requests_per_minute=config.max_join_requests_per_minute,
+            max_state_downloads_per_minute=config.max_state_downloads_per_minute,
         )
         try:
             self._averager.run_in_background(await_ready=True, timeout=config.start_timeout)

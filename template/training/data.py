@@ -10,8 +10,9 @@ two machines with different Python/numpy versions agree.
 
 Failure behaviour: a missing optional package (``pyarrow`` for parquet, ``datasets`` for Hugging Face
 streaming, ``transformers`` tokenizers) raises ``ImportError`` saying what to install; a source that
-matches no file raises ``FileNotFoundError``; a record without the text column raises ``ValueError``
-naming the file and line; a corrupt corpus cache is rebuilt. Hugging Face streaming is not exercised by
+matches no file raises ``FileNotFoundError``; a jsonl record that is not UTF-8 JSON or lacks the text
+column raises ``ValueError`` naming the file and line; a tokenizer name that cannot be loaded raises
+``ValueError`` naming it; a corrupt corpus cache is rebuilt. Hugging Face streaming is not exercised by
 the offline tests.
 """
 
@@ -72,7 +73,10 @@ class HuggingFaceTokenizer:
         except ImportError as e:  # pragma: no cover - transformers is a hard requirement of the package
             raise ImportError(f"tokenizer {name!r} needs the 'transformers' package") from e
         self.name = name
-        self._tokenizer = AutoTokenizer.from_pretrained(name)
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(name)
+        except OSError as e:  # unknown name, no such path, offline without a cached copy: transformers says OSError
+            raise ValueError(f"tokenizer {name!r} could not be loaded: {' '.join(str(e).split())}") from None
         self._tokenizer.model_max_length = 1 << 60  # we cut windows ourselves; silence the length warning
         if self._tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer {name!r} has no EOS token to separate documents")
@@ -136,14 +140,20 @@ def iter_file_documents(patterns: Sequence[str], *, text_column: str = "text") -
 
 
 def _iter_jsonl(path: Path, text_column: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get(text_column), str):
-                raise ValueError(f"{path}:{line_no}: no string field {text_column!r}")
-            yield record[text_column]
+    line_no = 0
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get(text_column), str):
+                    raise ValueError(f"{path}:{line_no}: no string field {text_column!r}")
+                yield record[text_column]
+    except json.JSONDecodeError as e:  # these messages name neither the file nor the line
+        raise ValueError(f"{path}:{line_no}: not a JSON record: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (after line {line_no}): {e}") from None
 
 
 def _iter_parquet(path: Path, text_column: str) -> Iterator[str]:
