@@ -1,0 +1,74 @@
+"""Load: one pseudo-gradient all-reduce among 8 peers on loopback, with the parameter shapes of the ``tiny`` model.
+
+Eight DHT nodes and eight averagers (each its own process with its own p2p daemon) on this machine; all eight must
+land in one group, and every peer must end with the same bytes, equal to the token-weighted mean within the codec's
+error. The time of the all-reduce itself is printed (``-s``) for docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
+from template.training.averaging import AveragingConfig, PseudoGradientAverager
+from template.training.model import build_model
+
+PEERS = 8
+
+
+def digest(tensors) -> str:
+    return hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+@pytest.mark.timeout(300)
+def test_eight_peers_average_the_tiny_model_into_identical_bytes():
+    shapes = [p.shape for p in build_model("tiny", vocab_size=257, seq_len=64).parameters()]
+    config = AveragingConfig(prefix=f"load{uuid.uuid4().hex[:10]}", target_group_size=PEERS, min_group_size=PEERS,
+                             matchmaking_time=8.0, request_timeout=3.0, allreduce_timeout=120.0,
+                             next_chunk_timeout=30.0, compression="fp16")
+    weights = [float(1000 + 100 * i) for i in range(PEERS)]
+    deltas = []
+    for i in range(PEERS):
+        generator = torch.Generator().manual_seed(i)
+        deltas.append([torch.randn(shape, generator=generator) * 1e-2 for shape in shapes])
+
+    first = start_dht()
+    nodes, averagers = [first], []
+    try:
+        # one after another: hivemind starts its processes from the main thread only
+        for _ in range(PEERS - 1):
+            nodes.append(start_dht(DHTConfig(initial_peers=visible_maddrs(first))))
+        for node in nodes:
+            averagers.append(PseudoGradientAverager(node, shapes, config))
+        scheduled = time.time() + config.matchmaking_time
+        deadline = scheduled + config.allreduce_timeout
+        pairs = enumerate(zip(averagers, weights, strict=True))
+        handles = [averager.begin(weight, {"peer": i}, scheduled, deadline) for i, (averager, weight) in pairs]
+        with ThreadPoolExecutor(PEERS) as pool:
+            futures = [pool.submit(averager.finish, handle, delta, deadline)
+                       for averager, handle, delta in zip(averagers, handles, deltas, strict=True)]
+            results = [future.result(timeout=deadline - time.time() + 30) for future in futures]
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for node in nodes:
+            node.shutdown()
+
+    assert all(r.ok for r in results), [r.reason for r in results]
+    assert all(r.group_size == PEERS for r in results)
+    assert len({(r.group_id, digest(r.averaged)) for r in results}) == 1, "peers must hold the same bytes"
+    total = sum(weights)
+    for k, tensor in enumerate(results[0].averaged):
+        expected = sum(w * d[k].double() for w, d in zip(weights, deltas, strict=True)) / total
+        largest = max(float(d[k].abs().max()) for d in deltas)
+        assert float((tensor.double() - expected).abs().max()) <= 2 * largest * 2.0**-11  # fp16 in, fp16 out
+    seconds = max(r.seconds for r in results)
+    values = sum(shape.numel() for shape in shapes)
+    print(f"\n8-peer all-reduce of {values} values (fp16): {seconds:.2f} s, "
+          f"{sum(r.bytes_sent for r in results) / 2**20:.1f} MiB sent in total")

@@ -1,0 +1,142 @@
+"""Calls on the averager's handlers from peers that should not get far: floods and outsiders.
+
+Join requests and state downloads — which any peer reaching our host may send — are rate-limited per peer
+(``AveragingConfig.max_join_requests_per_minute`` / ``max_state_downloads_per_minute``): a caller over its allowance
+is refused, another peer keeps its own allowance. The all-reduce handler serves running groups and their members only.
+Real hivemind hosts on 127.0.0.1; the unwelcome caller speaks hivemind's own RPC stub, as a modified peer would (the
+group-membership check is exercised on the runner directly, which needs no group to be formed in time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter
+
+from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
+from template.training.averaging import AveragingConfig, CheckedAllReduceRunner, CheckedAverager, PseudoGradientAverager
+from template.training.compression import get_compression
+
+SHAPES = [torch.Size([64]), torch.Size([8, 8])]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Three DHT nodes and an event loop for the flooding callers' p2p replicas."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="flood-loop", daemon=True)
+    thread.start()
+    first = start_dht()
+    nodes = [first] + [start_dht(DHTConfig(initial_peers=visible_maddrs(first))) for _ in range(2)]
+    yield loop, nodes
+    for node in nodes:
+        node.shutdown()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5)
+
+
+def run(loop, coro, timeout: float = 30.0):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+def config(**overrides) -> AveragingConfig:
+    return AveragingConfig(prefix=f"flood{uuid.uuid4().hex[:10]}", matchmaking_time=2.0, request_timeout=1.0,
+                           compression="none", **overrides)
+
+
+@pytest.mark.timeout(120)
+def test_state_downloads_beyond_the_allowance_are_refused(hosts):
+    _, (sharer_node, joiner_node, other_node) = hosts
+    state = ({"round": 7}, [torch.full(s, 7.0) for s in SHAPES])
+    limited = config(max_state_downloads_per_minute=2)
+    with PseudoGradientAverager(sharer_node, SHAPES, limited, state_provider=lambda: state) as sharer, \
+            PseudoGradientAverager(joiner_node, SHAPES, limited) as joiner, \
+            PseudoGradientAverager(other_node, SHAPES, limited) as other:
+        sharer.set_state_priority(7)
+        for _ in range(2):
+            loaded = joiner.load_state_from_peers(timeout=30)
+            assert loaded is not None and loaded[0] == {"round": 7}
+        started = time.monotonic()
+        assert joiner.load_state_from_peers(timeout=3) is None  # the third in a minute: refused, bounded wait
+        assert time.monotonic() - started < 8
+        assert other.load_state_from_peers(timeout=30) is not None  # another peer has its own allowance
+
+
+@pytest.mark.timeout(120)
+def test_join_requests_beyond_the_allowance_are_refused(hosts):
+    loop, (leader_node, flooder_node, _) = hosts
+    limited = config(max_join_requests_per_minute=3, min_group_size=2, target_group_size=2)
+    with PseudoGradientAverager(leader_node, SHAPES, limited) as leader:
+        scheduled = time.time() + 30  # looking for a group for a while: it answers join requests on their merits
+        handle = leader.begin(1.0, {}, scheduled, deadline=scheduled + 10)
+        deadline = time.monotonic() + 20
+        while handle.control.stage.name != "LOOKING_FOR_GROUP" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        flooder = run(loop, flooder_node.replicate_p2p())
+        stub = CheckedAverager.get_stub(flooder, leader_node.peer_id, namespace=limited.prefix)
+
+        async def join() -> int:
+            request = averaging_pb2.JoinRequest(schema_hash=b"not our tensors", expiration=get_dht_time() + 30,
+                                                group_key=f"{limited.prefix}.0b")
+            replies = [reply async for reply in await stub.rpc_join_group(request)]
+            return replies[0].code
+
+        codes = [run(loop, join()) for _ in range(5)]
+        handle.control.cancel()
+        run(loop, flooder.shutdown())
+    # within the allowance each request is judged (and refused: wrong tensors); past it, turned away unread
+    assert codes[:3] == [averaging_pb2.BAD_SCHEMA_HASH] * 3, codes
+    assert codes[3:] == [averaging_pb2.NOT_LOOKING_FOR_GROUP] * 2, codes
+
+
+@pytest.mark.timeout(60)
+def test_parts_for_no_running_group_are_refused(hosts):
+    loop, (owner_node, outsider_node, _) = hosts
+    averaging = config()
+    with PseudoGradientAverager(owner_node, SHAPES, averaging):
+        outsider = run(loop, outsider_node.replicate_p2p())
+        stub = CheckedAverager.get_stub(outsider, owner_node.peer_id, namespace=averaging.prefix)
+
+        async def send_parts() -> list[int]:
+            part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"no such group",
+                                               weight=1.0)
+            return [reply.code async for reply in await stub.rpc_aggregate_part(as_aiter(part, part))]
+
+        codes = run(loop, send_parts(), timeout=20)
+        run(loop, outsider.shutdown())
+    assert codes == [averaging_pb2.BAD_GROUP_ID]
+
+
+class _Host:
+    """The one attribute of a p2p host that a runner reads when it is built: who we are."""
+
+    def __init__(self, peer_id: PeerID) -> None:
+        self.peer_id = peer_id
+
+
+def test_an_outsiders_parts_are_refused_by_the_group():
+    me, member, outsider = (PeerID(bytes([i]) * 34) for i in (1, 2, 3))
+
+    async def outsider_sends() -> list[int]:
+        runner = CheckedAllReduceRunner(
+            p2p=_Host(me), servicer_type=CheckedAverager, prefix="run", group_id=b"group", weight=1.0,
+            tensors=[torch.zeros(s) for s in SHAPES], ordered_peer_ids=[me, member], peer_fractions=(0.5, 0.5),
+            modes=[AveragingMode.NODE] * 2, announced_weights=[1.0, 1.0], compression=get_compression("none"),
+            clip_multiple=3.0, sender_timeout=1.0, reducer_timeout=1.0, part_size_bytes=1024,
+        )
+        part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group", weight=1.0)
+        context = P2PContext(handle_name="CheckedAverager.rpc_aggregate_part", local_id=me, remote_id=outsider)
+        codes = [reply.code async for reply in runner.rpc_aggregate_part(as_aiter(part), context)]
+        assert runner.tensor_part_reducer.parts_received == 0  # nothing of the outsider's reached the reducer
+        return codes
+
+    assert asyncio.run(asyncio.wait_for(outsider_sends(), timeout=10)) == [averaging_pb2.PROTOCOL_VIOLATION]
