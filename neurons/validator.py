@@ -23,7 +23,9 @@ import torch
 from template.base.neuron import StopFlag, add_neuron_args, start_neuron
 from template.base.telemetry import add_wandb_args
 from template.base.validator import Validator, add_validator_args
-from template.chain.client import NetworkConfigError, NotRegisteredError
+from template.chain.client import CHAIN_UNREACHABLE, NetworkConfigError, NotRegisteredError
+from template.p2p.dht import DHTStartError
+from template.training.checkpoint import CheckpointError
 from template.training.cli import add_averaging_args, add_run_args, dotted
 from template.training.diloco import RunMismatchError
 
@@ -61,9 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         rounds = validator.run()
         ctx.emit("stopped", uid=ctx.uid, rounds=rounds)
         return 0
-    except (NotRegisteredError, NetworkConfigError, RunMismatchError, FileNotFoundError, ValueError) as err:
+    except (NotRegisteredError, NetworkConfigError, DHTStartError, RunMismatchError, FileNotFoundError,
+            ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except CHAIN_UNREACHABLE as err:
+        print(f"error: cannot reach the chain at {args.subtensor_network}: {err}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:
+        print(f"error: {err} (the last checkpoint and score book that were written are intact)", file=sys.stderr)
+        return 1
     finally:
         if validator is not None:
             validator.close()

@@ -32,7 +32,7 @@ import hivemind
 from template.chain.client import ChainClient
 from template.chain.wallets import open_wallet
 from template.config import ChainArgs, add_chain_args, chain_args_from
-from template.p2p.dht import DHTConfig, connect_peers, start_dht, visible_maddrs
+from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
 from template.p2p.identity import PeerDirectory, commit_peer_id, peer_directory
 from template.training.averaging import AveragingConfig
 
@@ -258,8 +258,16 @@ def start_neuron(args: argparse.Namespace, stop: StopFlag) -> NeuronContext:
     log.info("uid %d on netuid %d; bootstrapping from %d peers", uid, chain_args.netuid, len(bootstrap))
     external_ip = args.axon_external_ip or args.axon_ip
     announce = [f"/ip4/{external_ip}/tcp/{args.axon_port}"] if args.axon_port and args.axon_external_ip else []
-    dht = start_dht(DHTConfig(host_maddrs=[f"/ip4/{args.axon_ip}/tcp/{args.axon_port}"], announce_maddrs=announce,
-                              initial_peers=bootstrap))
+    host = DHTConfig(host_maddrs=[f"/ip4/{args.axon_ip}/tcp/{args.axon_port}"], announce_maddrs=announce)
+    try:
+        dht = start_dht(dataclasses.replace(host, initial_peers=bootstrap))
+    except DHTStartError as err:
+        if not bootstrap:
+            raise
+        # The chain still lists neurons that are gone (their axons outlive them): start alone; join_peers dials
+        # whoever is alive at every round.
+        log.warning("none of the %d neurons on chain could be reached (%s); starting without them", len(bootstrap), err)
+        dht = start_dht(host)
     runner = AsyncRunner()
     try:
         port = int(visible_maddrs(dht)[0].split("/tcp/")[1].split("/")[0])

@@ -65,6 +65,8 @@ class RetryPolicy:
 
 # Errors worth another try: the link failed, not the chain's judgement (OSError covers sockets and time-outs).
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (bt.RpcConnectionError, OSError)
+# What a caller sees once the retries are spent and the chain endpoint could not be reached (not every OSError).
+CHAIN_UNREACHABLE: tuple[type[BaseException], ...] = (bt.RpcConnectionError, ConnectionError, TimeoutError)
 
 
 def open_subtensor(network: str) -> bt.Subtensor:

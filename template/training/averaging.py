@@ -8,7 +8,9 @@ the owner waits for all live senders, then
 1. drops contributions that are undecodable, of the wrong size/dtype, non-finite, or whose weight differs
    from the weight the sender announced at matchmaking (logged with the sender's peer id);
 2. clips each remaining contribution's L2 norm to ``norm_clip_multiple`` × the *lower* median of their norms
-   (the lower median, so that in a group of two an inflated Δ is clipped to the honest one's scale);
+   (the lower median, so that in a group of two an inflated Δ is clipped to the honest one's scale), and caps each
+   sender's weight at :data:`WEIGHT_CAP_MULTIPLE` × the lower median of the weights announced at matchmaking (a
+   peer announcing 1e300 tokens would otherwise set the direction of the average alone);
 3. takes the weighted mean (float64 accumulation), checks it is finite, compresses it **once**, and sends
    those same bytes to every peer of the group; the owner replaces its own part with the decoded bytes too.
 
@@ -80,6 +82,8 @@ __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "CheckedAver
 logger = logging.getLogger(__name__)
 
 StateProvider = Callable[[], "tuple[dict, Sequence[torch.Tensor]]"]
+# A sender's weight (tokens) counts at most this many times the lower median of the group's announced weights.
+WEIGHT_CAP_MULTIPLE = 4.0
 
 
 @dataclass
@@ -191,6 +195,9 @@ class _CheckedPartReducer:
         self.part_shapes, self.num_parts = tuple(part_shapes), len(part_shapes)
         self.sender_names, self.num_senders = tuple(sender_names), len(sender_names)
         self.announced_weights, self.codec, self.clip_multiple = tuple(announced_weights), codec, clip_multiple
+        positive = sorted(w for w in announced_weights if w is not None and math.isfinite(w) and w > 0)
+        # the same for every owner (everyone sees the same announced weights), so every part is weighted alike
+        self.weight_cap = WEIGHT_CAP_MULTIPLE * positive[(len(positive) - 1) // 2] if positive else math.inf
         loop = asyncio.get_event_loop()
         self.results: list[asyncio.Future[_PartResult]] = [loop.create_future() for _ in range(self.num_parts)]
         self.current_part_index = 0
@@ -308,10 +315,11 @@ class _CheckedPartReducer:
                         "clipped part %d from %s by %.3g", part_index, self.sender_names[valid[i].sender], factors[i]
                     )
 
-        total_weight = sum(c.weight for c in valid)
+        weights = [min(c.weight, self.weight_cap) for c in valid]
+        total_weight = sum(weights)
         accumulator = torch.zeros(self.part_shapes[part_index].numel(), dtype=torch.float64)
-        for c, factor in zip(valid, factors, strict=True):
-            accumulator.add_(c.tensor.reshape(-1).to(torch.float64), alpha=c.weight * factor / total_weight)
+        for c, weight, factor in zip(valid, weights, factors, strict=True):
+            accumulator.add_(c.tensor.reshape(-1).to(torch.float64), alpha=weight * factor / total_weight)
         averaged = accumulator.to(torch.float32).reshape(self.part_shapes[part_index])
         if not bool(torch.isfinite(averaged).all()):
             raise AllreduceException("the average is not finite")

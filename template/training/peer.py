@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
+from template.training.checkpoint import CheckpointError
 from template.training.cli import add_averaging_args, add_run_args, averaging_config_from, run_spec_from
 from template.training.data import build_corpus, load_tokenizer
 from template.training.diloco import DiLoCoPeer, RunMismatchError
@@ -112,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         emit(node, "error", peer_key=args.peer_key, error=f"{type(err).__name__}: {err}")
         log.error("%s", err)
         return 2
+    except CheckpointError as err:
+        emit(node, "error", peer_key=args.peer_key, error=f"{type(err).__name__}: {err}")
+        log.error("%s (the last checkpoint that was written is intact)", err)
+        return 1
     finally:
         if peer is not None:
             peer.shutdown()

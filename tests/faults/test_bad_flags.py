@@ -84,3 +84,47 @@ def test_garbage_data_files_are_refused_naming_the_file_and_line(tmp_path, conte
     garbage.write_bytes(content)
     with pytest.raises(ValueError, match=message):
         build_corpus(str(garbage), ByteTokenizer(), seq_len=8)
+
+
+@pytest.mark.timeout(300)
+def test_neurons_on_a_live_chain_refuse_bad_data_a_missing_permit_and_an_unreachable_chain(tmp_path):
+    """Errors found after the neuron reached the chain (its data, its permit) or while reaching it: exit code 2 and
+    one clear line, no traceback."""
+    from template.chain.mock import MockSubstrate
+    from template.chain.mock_server import MockChainServer
+
+    mock = MockSubstrate()
+    mock.create_subnet(1, tempo=100, serving_rate_limit=0)
+    for name in ("miner", "validator"):
+        wallet = create_wallet(name, "default", tmp_path / "wallets")
+        mock.register(1, wallet.hotkey.ss58_address, wallet.coldkeypub.ss58_address, 0.0)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    with MockChainServer(mock, seconds_per_block=0.5) as server:
+        closed_port = server.url.rsplit(":", 1)[1]  # reused below after the server stops: nothing listens there
+
+        def neuron(script: str, name: str, network: str, *extra: str) -> list[str]:
+            return [sys.executable, f"neurons/{script}.py", "--netuid", "1", "--wallet.name", name,
+                    "--wallet.path", str(tmp_path / "wallets"), "--subtensor.network", network,
+                    "--neuron.full_path", str(tmp_path / name), "--wandb.off", *extra]
+
+        table = {
+            "miner: data path missing": (neuron("miner", "miner", server.url, "--run.data", str(tmp_path / "x.txt")),
+                                         "matches no file"),
+            "validator: data path missing": (neuron("validator", "validator", server.url, "--neuron.allow_no_permit",
+                                                    "--run.data", str(tmp_path / "x.txt")), "matches no file"),
+            "validator: no permit": (neuron("validator", "validator", server.url), "has no validator permit"),
+        }
+        with ThreadPoolExecutor(3) as pool:
+            runs = {name: pool.submit(subprocess.run, command, cwd=REPO, env=env, capture_output=True, text=True,
+                                      timeout=240) for name, (command, _) in table.items()}
+            results = {name: future.result() for name, future in runs.items()}
+    unreachable = subprocess.run(neuron("miner", "miner", f"mock://127.0.0.1:{closed_port}"), cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=240)
+    table["miner: chain unreachable"] = (None, "cannot reach the chain at mock://127.0.0.1:")
+    results["miner: chain unreachable"] = unreachable
+    for name, (_, message) in table.items():
+        result = results[name]
+        last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+        assert result.returncode == 2, (name, result.returncode, result.stderr[-2000:])
+        assert message in last and last.startswith("error:"), (name, last)
+        assert "Traceback" not in result.stderr, (name, result.stderr[-2000:])

@@ -29,6 +29,7 @@ from hivemind.utils import get_dht_time
 
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
 from template.training.averaging import (
+    WEIGHT_CAP_MULTIPLE,
     AveragingConfig,
     AveragingResult,
     PseudoGradientAverager,
@@ -443,6 +444,18 @@ def test_reducer_with_two_senders_clips_the_inflated_one():
         [_Contribution(0, honest, 1.0, None), _Contribution(1, inflated, 1.0, None)], [1.0, 1.0], clip=2.0
     )
     assert torch.allclose(results[0].decoded, torch.tensor([1.5, 2.0, 0.0, 5.0]))
+
+
+@pytest.mark.timeout(30)
+def test_reducer_caps_an_inflated_announced_weight():
+    """A peer announcing 1e300 tokens counts as WEIGHT_CAP_MULTIPLE x the lower median of the announced weights."""
+    a, b, liar = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.full((4,), -1.0)
+    weights = [1.0, 1.0, 1e300]
+    contributions = [_Contribution(i, t, w, None) for i, (t, w) in enumerate(zip((a, b, liar), weights, strict=True))]
+    _, results = reduce_one_part(contributions, weights, clip=None)
+    cap = WEIGHT_CAP_MULTIPLE * 1.0
+    expected = (a + b + cap * liar) / (2 + cap)
+    assert torch.allclose(results[0].decoded, expected)
 
 
 @pytest.mark.timeout(30)
