@@ -14,23 +14,23 @@ See docs/running_a_miner.md.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
-import torch
-
 from template.base.behaviours import BUILTIN, load_behaviour
 from template.base.miner import Miner
-from template.base.neuron import StopFlag, add_neuron_args, start_neuron, state_dir
+from template.base.neuron import (
+    NEURON_ERRORS,
+    add_neuron_args,
+    fatal_error,
+    prepare_process,
+    start_neuron,
+    state_dir,
+)
 from template.base.telemetry import add_wandb_args
-from template.chain.client import CHAIN_UNREACHABLE, NetworkConfigError, NotRegisteredError
 from template.chain.wallets import open_wallet
 from template.config import chain_args_from
-from template.p2p.dht import DHTStartError
-from template.training.checkpoint import CheckpointError
 from template.training.cli import add_averaging_args, add_run_args, dotted
-from template.training.diloco import RunMismatchError
 from template.training.distributed import close_node_group, init_node_group
 
 
@@ -54,13 +54,7 @@ def rank_device(device: str, local_rank: int, world: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.logging_debug else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
-    if args.neuron_torch_threads:
-        torch.set_num_threads(args.neuron_torch_threads)
-    stop = StopFlag()
-    stop.install()
+    stop = prepare_process(args)
     node = init_node_group()
     ctx = miner = None
     try:
@@ -70,33 +64,20 @@ def main(argv: list[str] | None = None) -> int:
             hotkey = open_wallet(chain_args.wallet.name, chain_args.wallet.hotkey, chain_args.wallet.path)
             if node.is_leader:
                 ctx = start_neuron(args, stop)
-        except (NotRegisteredError, NetworkConfigError, DHTStartError, FileNotFoundError, ValueError) as err:
-            print(f"error: {err}", file=sys.stderr)
+        except NEURON_ERRORS:
             node.broadcast_int(0)  # the other ranks must not wait for a leader that is not coming
-            return 2
-        except CHAIN_UNREACHABLE as err:
-            print(f"error: cannot reach the chain at {args.subtensor_network}: {err}", file=sys.stderr)
-            node.broadcast_int(0)
-            return 2
+            raise
         if not node.broadcast_int(1):
             return 2
         device = rank_device(args.neuron_device, int(os.environ.get("LOCAL_RANK", "0")), node.world)
-        try:  # the data, the tokenizer and the model are loaded here
-            miner = Miner(ctx, args, behaviour, hotkey=hotkey.hotkey.ss58_address, state=state_dir(args, chain_args),
-                          node=node, stop=stop, device=device)
-        except (FileNotFoundError, ValueError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        miner = Miner(ctx, args, behaviour, hotkey=hotkey.hotkey.ss58_address, state=state_dir(args, chain_args),
+                      node=node, stop=stop, device=device)
         rounds = miner.run()
         if ctx is not None:
             ctx.emit("stopped", uid=ctx.uid, rounds=rounds)
         return 0
-    except RunMismatchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except CheckpointError as err:
-        print(f"error: {err} (the last checkpoint that was written is intact)", file=sys.stderr)
-        return 1
+    except NEURON_ERRORS as err:
+        return fatal_error(err, args.subtensor_network)
     finally:
         if miner is not None:
             miner.close()

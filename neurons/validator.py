@@ -15,19 +15,12 @@ validator permit unless ``--neuron.allow_no_permit``. See docs/running_a_validat
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-import torch
-
-from template.base.neuron import StopFlag, add_neuron_args, start_neuron
+from template.base.neuron import NEURON_ERRORS, add_neuron_args, fatal_error, prepare_process, start_neuron
 from template.base.telemetry import add_wandb_args
 from template.base.validator import Validator, add_validator_args
-from template.chain.client import CHAIN_UNREACHABLE, NetworkConfigError, NotRegisteredError
-from template.p2p.dht import DHTStartError
-from template.training.checkpoint import CheckpointError
 from template.training.cli import add_averaging_args, add_run_args, dotted
-from template.training.diloco import RunMismatchError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,13 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.logging_debug else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
-    if args.neuron_torch_threads:
-        torch.set_num_threads(args.neuron_torch_threads)
-    stop = StopFlag()
-    stop.install()
+    stop = prepare_process(args)
     ctx = validator = None
     try:
         ctx = start_neuron(args, stop)
@@ -63,16 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = validator.run()
         ctx.emit("stopped", uid=ctx.uid, rounds=rounds)
         return 0
-    except (NotRegisteredError, NetworkConfigError, DHTStartError, RunMismatchError, FileNotFoundError,
-            ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except CHAIN_UNREACHABLE as err:
-        print(f"error: cannot reach the chain at {args.subtensor_network}: {err}", file=sys.stderr)
-        return 2
-    except CheckpointError as err:
-        print(f"error: {err} (the last checkpoint and score book that were written are intact)", file=sys.stderr)
-        return 1
+    except NEURON_ERRORS as err:
+        return fatal_error(err, args.subtensor_network)
     finally:
         if validator is not None:
             validator.close()

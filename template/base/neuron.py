@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Coroutine
@@ -28,13 +29,16 @@ from typing import Any, TypeVar
 
 import bittensor as bt
 import hivemind
+import torch
 
-from template.chain.client import ChainClient
+from template.chain.client import CHAIN_UNREACHABLE, ChainClient, NetworkConfigError, NotRegisteredError
 from template.chain.wallets import open_wallet
 from template.config import ChainArgs, add_chain_args, chain_args_from
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
 from template.p2p.identity import PeerDirectory, commit_peer_id, peer_directory
 from template.training.averaging import AveragingConfig
+from template.training.checkpoint import CheckpointError
+from template.training.diloco import RunMismatchError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,6 +73,39 @@ def add_neuron_args(parser: argparse.ArgumentParser) -> None:
     neuron.add_argument("--neuron.torch_threads", dest="neuron_torch_threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--logging.debug", dest="logging_debug", action="store_true", help="debug logging")
+
+
+# Failures an operator can fix (flags, wallet, registration, data, network): one line and exit code 2, no traceback.
+SETUP_ERRORS: tuple[type[BaseException], ...] = (NotRegisteredError, NetworkConfigError, DHTStartError,
+                                                  RunMismatchError, FileNotFoundError, ValueError)
+NEURON_ERRORS = SETUP_ERRORS + CHAIN_UNREACHABLE + (CheckpointError,)
+
+
+def fatal_error(err: BaseException, network: str) -> int:
+    """Print one ``error:`` line for an error of :data:`NEURON_ERRORS` and return the neuron's exit code (the
+    traceback is logged at debug level: ``--logging.debug`` shows it)."""
+    log.debug("stopping on %s", type(err).__name__, exc_info=err)
+    if isinstance(err, CheckpointError):
+        print(f"error: {err} (what was saved before is intact)", file=sys.stderr)
+        return 1
+    if isinstance(err, CHAIN_UNREACHABLE) and not isinstance(err, SETUP_ERRORS):
+        print(f"error: cannot reach the chain at {network}: {err}", file=sys.stderr)
+        return 2
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+
+
+def prepare_process(args: argparse.Namespace) -> StopFlag:
+    """What every neuron process does first: logging (hivemind's chatter from warnings up), torch's thread count,
+    and a stop flag that SIGINT/SIGTERM set."""
+    logging.basicConfig(level=logging.DEBUG if args.logging_debug else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    if args.neuron_torch_threads:
+        torch.set_num_threads(args.neuron_torch_threads)
+    stop = StopFlag()
+    stop.install()
+    return stop
 
 
 def state_dir(args: argparse.Namespace, chain_args: ChainArgs) -> Path:

@@ -146,6 +146,24 @@ def begin_all(peers, scheduled, deadline):
     return [peer.begin(weight, {"rank": rank}, scheduled, deadline) for rank, (peer, weight) in pairs]
 
 
+def round_with_a_staller(dhts, whole: AveragingConfig, staller: Staller, seeds: tuple[int, int]):
+    """Two averagers on ``dhts[0..1]`` run one round with ``staller``, which freezes once its all-reduce runs.
+    Returns (their results, when it froze, when they returned, the round's deadline)."""
+    with PseudoGradientAverager(dhts[0], SHAPES, whole) as a, PseudoGradientAverager(dhts[1], SHAPES, whole) as b:
+        staller.expect("READY")
+        scheduled = time.time() + whole.matchmaking_time + 1.0
+        deadline = scheduled + whole.allreduce_timeout + 5
+        staller.play(scheduled, deadline)
+        handles = begin_all((a, b), scheduled, deadline)
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(p.finish, h, deltas(seed), deadline)
+                       for p, h, seed in zip((a, b), handles, seeds, strict=True)]
+            assert "RUNNING_ALLREDUCE" in staller.expect("STALLING")
+            stalled_at = time.time()
+            results = [future.result(timeout=deadline - time.time() + 10) for future in futures]
+        return results, stalled_at, time.time(), deadline
+
+
 def run_round(peers, round_deltas, scheduled, deadline):
     handles = begin_all(peers, scheduled, deadline)
     with ThreadPoolExecutor(len(peers)) as pool:
@@ -191,41 +209,28 @@ def test_a_contributor_stalled_mid_allreduce_costs_one_round_within_the_timeouts
     whole = config(min_group_size=3)  # the group cannot form without the peer that will stall
     staller = Staller(dhts, whole, stall_at="allreduce")
     try:
-        with PseudoGradientAverager(dhts[0], SHAPES, whole) as a, PseudoGradientAverager(dhts[1], SHAPES, whole) as b:
-            staller.expect("READY")
-            scheduled = time.time() + whole.matchmaking_time + 1.0
-            deadline = scheduled + whole.allreduce_timeout + 5
-            staller.play(scheduled, deadline)
-            round_deltas = [deltas(2), deltas(3)]
-            handles = begin_all((a, b), scheduled, deadline)
-            with ThreadPoolExecutor(2) as pool:
-                futures = [pool.submit(p.finish, h, d, deadline)
-                           for p, h, d in zip((a, b), handles, round_deltas, strict=True)]
-                assert "RUNNING_ALLREDUCE" in staller.expect("STALLING")
-                stalled_at = time.time()
-                first = [future.result(timeout=deadline - time.time() + 10) for future in futures]
-            first_done = time.time()
+        first, stalled_at, first_done, deadline = round_with_a_staller(dhts, whole, staller, seeds=(2, 3))
 
-            # the frozen peer owned a share of the vector that nobody can get: no survivor may claim success
-            # with a patchwork average; they fail with a reason, within the all-reduce timeouts
-            assert all(r.group_size == 3 for r in first if r.group_size), [r.group_size for r in first]
-            assert not any(r.ok for r in first), "a survivor reported success without the frozen owner's share"
-            assert all(r.reason.startswith("partial all-reduce") or "deadline" in r.reason for r in first)
-            assert first_done - stalled_at <= 2 * whole.next_chunk_timeout + whole.allreduce_timeout
-            assert first_done <= deadline + 1
+        # the frozen peer owned a share of the vector that nobody can get: no survivor may claim success
+        # with a patchwork average; they fail with a reason, within the all-reduce timeouts
+        assert all(r.group_size == 3 for r in first if r.group_size), [r.group_size for r in first]
+        assert not any(r.ok for r in first), "a survivor reported success without the frozen owner's share"
+        assert all(r.reason.startswith("partial all-reduce") or "deadline" in r.reason for r in first)
+        assert first_done - stalled_at <= 2 * whole.next_chunk_timeout + whole.allreduce_timeout
+        assert first_done <= deadline + 1
 
-            # the next round on the same hosts, with the peer still frozen and its connections open, completes
-            # without it (new averagers: hivemind fixes the minimum group size, and one prefix per host, at start)
-            pair = dataclasses.replace(whole, prefix=whole.prefix + "next", min_group_size=2, target_group_size=2)
-            with PseudoGradientAverager(dhts[0], SHAPES, pair) as c, PseudoGradientAverager(dhts[1], SHAPES, pair) as d:
-                scheduled = time.time() + pair.matchmaking_time
-                deadline = scheduled + pair.allreduce_timeout
-                second_deltas = [deltas(4), deltas(5)]
-                second = run_round([c, d], second_deltas, scheduled, deadline)
-            assert all(r.ok and r.group_size == 2 for r in second), [(r.reason, r.group_size) for r in second]
-            assert len({digest(r.averaged) for r in second}) == 1
-            for got, want in zip(second[0].averaged, expected_mean(second_deltas), strict=True):
-                assert float((got.double() - want).abs().max()) <= 1e-6
+        # the next round on the same hosts, with the peer still frozen and its connections open, completes
+        # without it (new averagers: hivemind fixes the minimum group size, and one prefix per host, at start)
+        pair = dataclasses.replace(whole, prefix=whole.prefix + "next", min_group_size=2, target_group_size=2)
+        with PseudoGradientAverager(dhts[0], SHAPES, pair) as c, PseudoGradientAverager(dhts[1], SHAPES, pair) as d:
+            scheduled = time.time() + pair.matchmaking_time
+            deadline = scheduled + pair.allreduce_timeout
+            second_deltas = [deltas(4), deltas(5)]
+            second = run_round([c, d], second_deltas, scheduled, deadline)
+        assert all(r.ok and r.group_size == 2 for r in second), [(r.reason, r.group_size) for r in second]
+        assert len({digest(r.averaged) for r in second}) == 1
+        for got, want in zip(second[0].averaged, expected_mean(second_deltas), strict=True):
+            assert float((got.double() - want).abs().max()) <= 1e-6
 
         thawed = staller.resume()
         assert thawed is not None and not thawed["ok"] and thawed["reason"]
@@ -238,20 +243,8 @@ def test_a_validator_stalled_mid_allreduce_does_not_hold_the_miners_back(dhts):
     whole = config(min_group_size=3)  # the group cannot form without the validator that will stall
     staller = Staller(dhts, dataclasses.replace(whole, auxiliary=True), stall_at="allreduce")
     try:
-        with PseudoGradientAverager(dhts[0], SHAPES, whole) as a, PseudoGradientAverager(dhts[1], SHAPES, whole) as b:
-            staller.expect("READY")
-            scheduled = time.time() + whole.matchmaking_time + 1.0
-            deadline = scheduled + whole.allreduce_timeout + 5
-            staller.play(scheduled, deadline)
-            round_deltas = [deltas(6), deltas(7)]
-            handles = begin_all((a, b), scheduled, deadline)
-            with ThreadPoolExecutor(2) as pool:
-                futures = [pool.submit(p.finish, h, d, deadline)
-                           for p, h, d in zip((a, b), handles, round_deltas, strict=True)]
-                assert "RUNNING_ALLREDUCE" in staller.expect("STALLING")
-                stalled_at = time.time()
-                results = [future.result(timeout=deadline - time.time() + 10) for future in futures]
-            done = time.time()
+        results, stalled_at, done, deadline = round_with_a_staller(dhts, whole, staller, seeds=(6, 7))
+        round_deltas = [deltas(6), deltas(7)]
         # the validator contributes nothing: the miners' average is complete without it
         assert all(r.ok and r.group_size == 3 for r in results), [(r.reason, r.group_size) for r in results]
         assert len({digest(r.averaged) for r in results}) == 1
