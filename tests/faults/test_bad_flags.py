@@ -11,6 +11,7 @@ offline, and every miner case is refused before it would contact a chain.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -99,8 +100,10 @@ def test_neurons_on_a_live_chain_refuse_bad_data_a_missing_permit_and_an_unreach
         wallet = create_wallet(name, "default", tmp_path / "wallets")
         mock.register(1, wallet.hotkey.ss58_address, wallet.coldkeypub.ss58_address, 0.0)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    with socket.socket() as probe:  # a port nothing listens on: bound once, then closed
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
     with MockChainServer(mock, seconds_per_block=0.5) as server:
-        closed_port = server.url.rsplit(":", 1)[1]  # reused below after the server stops: nothing listens there
 
         def neuron(script: str, name: str, network: str, *extra: str) -> list[str]:
             return [sys.executable, f"neurons/{script}.py", "--netuid", "1", "--wallet.name", name,
@@ -113,15 +116,13 @@ def test_neurons_on_a_live_chain_refuse_bad_data_a_missing_permit_and_an_unreach
             "validator: data path missing": (neuron("validator", "validator", server.url, "--neuron.allow_no_permit",
                                                     "--run.data", str(tmp_path / "x.txt")), "matches no file"),
             "validator: no permit": (neuron("validator", "validator", server.url), "has no validator permit"),
+            "miner: chain unreachable": (neuron("miner", "miner", f"mock://127.0.0.1:{closed_port}"),
+                                         "cannot reach the chain at mock://127.0.0.1:"),
         }
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(len(table)) as pool:
             runs = {name: pool.submit(subprocess.run, command, cwd=REPO, env=env, capture_output=True, text=True,
                                       timeout=240) for name, (command, _) in table.items()}
             results = {name: future.result() for name, future in runs.items()}
-    unreachable = subprocess.run(neuron("miner", "miner", f"mock://127.0.0.1:{closed_port}"), cwd=REPO, env=env,
-                                 capture_output=True, text=True, timeout=240)
-    table["miner: chain unreachable"] = (None, "cannot reach the chain at mock://127.0.0.1:")
-    results["miner: chain unreachable"] = unreachable
     for name, (_, message) in table.items():
         result = results[name]
         last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
