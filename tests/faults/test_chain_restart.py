@@ -8,11 +8,9 @@ tight reconnect loop — and carry on against the restarted chain.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +23,7 @@ import pytest
 from template.chain.client import ChainClient, RetryPolicy
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
+from tests.integration.neuron_processes import events, neuron_command, start_process, stop_process, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NETUID = 4
@@ -144,46 +143,22 @@ def test_an_outage_longer_than_the_retry_budget_fails_cleanly_in_bounded_time(ch
     client.close()
 
 
-def _events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.timeout(240)
 def test_a_running_miner_carries_on_after_the_chain_restarts(chain_setup, tmp_path):
     chain, _ = chain_setup
-    events_file = tmp_path / "miner.events"
-    command = [
-        sys.executable, "neurons/miner.py", "--netuid", str(NETUID), "--wallet.name", "miner",
-        "--wallet.hotkey", "default", "--wallet.path", str(tmp_path / "wallets"), "--subtensor.network", chain.url,
-        "--neuron.full_path", str(tmp_path / "miner"), "--neuron.blocks_per_round", "12",
-        "--neuron.events_file", str(events_file), "--neuron.torch_threads", "1", "--neuron.max_rounds", "1",
-        "--run.inner_steps", "4", "--run.seq_len", "32", "--run.batch_size", "2",
-        "--averaging.matchmaking_time", "2", "--wandb.off",
-    ]
+    command = neuron_command("miner", "miner", tmp_path, chain.url, NETUID, 12, "--neuron.max_rounds", "1",
+                             "--run.inner_steps", "4", "--run.seq_len", "32", "--run.batch_size", "2",
+                             "--averaging.matchmaking_time", "2")
     log_path = tmp_path / "miner.log"
-    with open(log_path, "w") as log:
-        miner = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    miner = start_process(command, log_path, dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        _wait_for(lambda: any(e["event"] == "ready" for e in _events(events_file)), 150, "the miner to be ready")
+        wait_until(lambda: any(e["event"] == "ready" for e in events(tmp_path, "miner")), 150, "the miner to be ready")
         restart_after(chain, OUTAGE_S).join(timeout=30)  # the miner is waiting for its first round meanwhile
         assert miner.wait(timeout=150) == 0, log_path.read_text()[-4000:]
     finally:
-        if miner.poll() is None:
-            os.killpg(miner.pid, signal.SIGKILL)
-            miner.wait(timeout=30)
-    ready = next(e for e in _events(events_file) if e["event"] == "ready")
-    rounds = [e for e in _events(events_file) if e["event"] == "round"]
+        stop_process(miner)
+    ready = next(e for e in events(tmp_path, "miner") if e["event"] == "ready")
+    rounds = [e for e in events(tmp_path, "miner") if e["event"] == "round"]
     assert len(rounds) == 1 and rounds[0]["round"] > ready["chain_round"]  # a round of the restarted chain
-    assert any(e["event"] == "stopped" for e in _events(events_file))
+    assert any(e["event"] == "stopped" for e in events(tmp_path, "miner"))
     assert "retry" in log_path.read_text()  # it did meet the outage, and backed off
