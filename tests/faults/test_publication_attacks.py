@@ -48,16 +48,14 @@ from template.protocol import (
     ReplyStatus,
     encode_payload,
 )
+from tests.integration.p2p_helpers import message_frame as frame
+from tests.integration.p2p_helpers import run
 
 pytestmark = pytest.mark.timeout(90)
 
 NETUID = 9
 BASE_HASH = "5e" * 32
 LAYOUT = [("embed.weight", (64, 8)), ("head.weight", (8, 64)), ("head.bias", (8,))]
-
-
-def run(loop: asyncio.AbstractEventLoop, coro, timeout: float = 30.0):
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
 @dataclass
@@ -141,11 +139,6 @@ def signed(network: Network, round: int, tensors, *, codec: str = "fp32", signer
     fields.update(overrides)
     meta = PublicationMeta(**fields)
     return Crafted(meta.with_signature(sign(network.wallets[signer].hotkey, meta.signing_bytes())), data)
-
-
-def frame(message) -> bytes:
-    body = message.SerializeToString()
-    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
 
 
 @contextmanager

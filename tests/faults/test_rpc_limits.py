@@ -25,6 +25,7 @@ from hivemind.utils.asyncio import as_aiter
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
 from template.training.averaging import AveragingConfig, CheckedAllReduceRunner, CheckedAverager, PseudoGradientAverager
 from template.training.compression import get_compression
+from tests.integration.p2p_helpers import run
 
 SHAPES = [torch.Size([64]), torch.Size([8, 8])]
 
@@ -42,10 +43,6 @@ def hosts():
         node.shutdown()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=5)
-
-
-def run(loop, coro, timeout: float = 30.0):
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
 def config(**overrides) -> AveragingConfig:

@@ -38,17 +38,13 @@ from template.p2p.publication import (
     permit_holders,
 )
 from template.protocol import PROTOCOL_VERSION, FetchReply, FetchRequest, ProtocolError, ReplyStatus
+from tests.integration.p2p_helpers import message_frame, run
 
 pytestmark = pytest.mark.timeout(90)
 
 NETUID = 5
 BASE_HASH = "3f" * 32
 NAMES = ("miner", "validator", "permitless", "outsider")
-
-
-def run(loop: asyncio.AbstractEventLoop, coro, timeout: float = 30.0):
-    """Run a coroutine on the hivemind loop thread and wait for it, at most ``timeout`` seconds."""
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
 @dataclass
@@ -251,11 +247,6 @@ def raw_exchange(network: Network, frame: bytes) -> FetchReply:
         return FetchReply.decode(response.metadata)
 
     return run(network.loop, exchange(), timeout=15)
-
-
-def message_frame(message) -> bytes:
-    body = message.SerializeToString()
-    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
 
 
 def test_malformed_requests_get_a_clear_bad_request(network):
