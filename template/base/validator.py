@@ -245,9 +245,8 @@ class Validator:
     # ------------------------------------------------------------------------------------------ weights
 
     def _set_weights(self, round: int, directory: PeerDirectory) -> None:
-        graph = self.ctx.chain.metagraph()
-        uid_of = {hotkey: uid for uid, hotkey in enumerate(graph.hotkeys)}
-        weights = self.book.weights(uid_of)
+        """Weights for the miners of ``directory`` (the book holds no one else: it forgets who left it)."""
+        weights = self.book.weights({record.hotkey: record.uid for record in directory})
         block = self.ctx.chain.block()
         if not weights:
             log.info("no miner has a positive score yet: weights not set")
