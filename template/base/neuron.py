@@ -257,14 +257,15 @@ class NeuronContext:
         for ``quiet_s``, or ``timeout_s`` passed. Neurons that start together size their all-reduce groups from it,
         so a neuron that started a second earlier than the rest must not see only itself."""
         deadline = time.monotonic() + timeout_s
-        directory, since = self.directory(), time.monotonic()
-        while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
-            if len(directory) >= len(self.chain.metagraph().hotkeys) or self.stop.sleep(0.5):
-                break
-            fresh = self.directory()
-            if len(fresh) != len(directory):
+        directory, since = None, time.monotonic()
+        while True:
+            graph = self.chain.metagraph()  # one read gives both the registered neurons and their commitments
+            fresh = peer_directory(graph)
+            if directory is None or len(fresh) != len(directory):
                 directory, since = fresh, time.monotonic()
-        return directory
+            if (len(directory) >= len(graph.hotkeys) or time.monotonic() >= deadline
+                    or time.monotonic() - since >= quiet_s or self.stop.sleep(0.5)):
+                return directory
 
     def join_peers(self, directory: PeerDirectory) -> int:
         """Dial the neurons the chain lists (axon + PeerID), so neurons that started together find each other."""

@@ -164,9 +164,7 @@ class RoundScorer:
             if out_of_time():
                 reasons[c.hotkey] = "not evaluated in time"
                 continue
-            assigned = self.sampler.assigned(c.hotkey, context.round, n)
-            excluded = set(self.sampler.assignment.assigned_windows(c.hotkey, context.round,
-                                                                    self.sampler.windows_per_round))
+            assigned, excluded = self.sampler.assigned(c.hotkey, context.round, n)
             unassigned = [w for w in pool if w not in excluded][:n]
             gains[c.hotkey] = loss_gains(self.probe, context.theta, c.tensors, assigned, unassigned, baseline,
                                          self.scoring.step_scale)

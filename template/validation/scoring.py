@@ -75,9 +75,11 @@ class WindowSampler:
         self.windows_per_round = windows_per_round  # H × batch size: what a miner is assigned per round
         self.seed = seed
 
-    def assigned(self, hotkey: str, round: int, count: int) -> list[int]:
+    def assigned(self, hotkey: str, round: int, count: int) -> tuple[list[int], set[int]]:
+        """``count`` of the windows assigned to ``hotkey`` in ``round`` (a private draw), and all of them."""
         windows = self.assignment.assigned_windows(hotkey, round, self.windows_per_round)
-        return random.Random(_seed(self.seed, "assigned", hotkey, round)).sample(windows, min(count, len(windows)))
+        sample = random.Random(_seed(self.seed, "assigned", hotkey, round)).sample(windows, min(count, len(windows)))
+        return sample, set(windows)
 
     def unassigned(self, round: int, count: int) -> list[int]:
         """Training windows for the round's baseline; callers drop those a given miner was assigned."""

@@ -165,8 +165,8 @@ def trained_round():
 
 def test_loss_gains_reward_a_real_update_and_punish_noise(trained_round):
     theta, deltas, _, probe, sampler = trained_round
-    assigned = sampler.assigned("honest-a", 0, 16)
-    unassigned = [w for w in sampler.unassigned(0, 16) if w not in set(assigned)][:16]
+    assigned, every_assigned = sampler.assigned("honest-a", 0, 16)
+    unassigned = [w for w in sampler.unassigned(0, 16) if w not in every_assigned][:16]
     probe.load(theta)
     baseline = probe.window_losses(unassigned)
     honest = loss_gains(probe, theta, deltas["honest-a"], assigned, unassigned, baseline, 1.0)
