@@ -49,7 +49,7 @@ from template.protocol import (
     decode_payload,
     encode_payload,
 )
-from template.training.averaging import _parse_group
+from template.training.allreduce_runner import _parse_group
 
 FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

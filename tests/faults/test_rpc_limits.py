@@ -23,7 +23,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter
 
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
-from template.training.averaging import AveragingConfig, CheckedAllReduceRunner, CheckedAverager, PseudoGradientAverager
+from template.training.allreduce_runner import CheckedAllReduceRunner
+from template.training.averaging import AveragingConfig, PseudoGradientAverager
+from template.training.checked_averager import CheckedAverager
 from template.training.compression import get_compression
 from tests.integration.p2p_helpers import run
 
