@@ -25,15 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    DEFAULT_DATA,
+    benchmark_parser,
     butterfly_bytes,
     data_name,
     emit,
     machine_info,
     median,
-    resolve_data,
+    parse_benchmark_args,
     run_peers,
-    setup_logging,
 )
 
 log = logging.getLogger("benchmarks.bytes_per_round")
@@ -79,10 +78,7 @@ def analytic(params: int, peers: int, h_values: list[int]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bytes_per_round", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 peers, 1 round of 2 steps, 2 codecs (smoke test)")
-    parser.add_argument("--data", default=DEFAULT_DATA, help="text file, or 'builtin' (used when the file is missing)")
+    parser = benchmark_parser("bytes_per_round", __doc__, "2 peers, 1 round of 2 steps, 2 codecs (smoke test)")
     parser.add_argument("--peers", type=int, default=None, help="default 4; --quick 2")
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default 50; --quick 2)")
     parser.add_argument("--rounds", type=int, default=None, help="default 2; --quick 1")
@@ -93,14 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
-    quick = args.quick
-    data = resolve_data(args.data)
-    peers = args.peers or (2 if quick else 4)
-    inner_steps = args.inner_steps or (2 if quick else 50)
-    rounds = args.rounds or (1 if quick else 2)
-    codecs = (args.codecs or ("none,int8" if quick else "none,fp16,int8")).split(",")
+    args = parse_benchmark_args(build_parser(), argv, peers=(4, 2), inner_steps=(50, 2), rounds=(2, 1),
+                                codecs=("none,fp16,int8", "none,int8"))
+    quick, data, peers, inner_steps, rounds = args.quick, args.data, args.peers, args.inner_steps, args.rounds
+    codecs = args.codecs.split(",")
     # bytes depend only on the model's shapes and the codec: short windows and batches keep the runs fast
     peer_args = ["--preset", "tiny", "--data", data, "--seq-len", "32", "--batch-size", "2",
                  "--inner-steps", str(inner_steps), "--rounds", str(rounds), "--heldout-batches", "0",

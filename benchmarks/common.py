@@ -8,6 +8,7 @@ processes behind and never runs past its time bound by more than the stop grace 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import logging
@@ -32,8 +33,34 @@ log = logging.getLogger("benchmarks")
 def setup_logging() -> None:
     """Logs to stderr (stdout carries the one JSON result); hivemind's chatter only from warnings up."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("hivemind", "template.training.averaging"):
+    for noisy in ("hivemind", "template.training.averaging", "template.training.checked_averager",
+                  "template.training.allreduce_runner", "template.training.part_reducer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def benchmark_parser(name: str, description: str, quick_help: str) -> argparse.ArgumentParser:
+    """``python -m benchmarks.NAME``'s parser with the flags every benchmark takes: ``--quick`` and ``--data``."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--data", default=DEFAULT_DATA, help="text file, or 'builtin' (used when the file is missing)")
+    return parser
+
+
+def parse_benchmark_args(parser: argparse.ArgumentParser, argv: list[str] | None,
+                         **sizes: tuple[Any, Any]) -> argparse.Namespace:
+    """Parse a benchmark's command line (bad flags: usage and exit status 2) and set up logging.
+
+    ``args.data`` becomes a source that exists (:func:`resolve_data`). Every option named in ``sizes`` as
+    ``dest=(full, quick)`` that was left unset (None, or 0) gets its default for a full run or for ``--quick``.
+    """
+    args = parser.parse_args(argv)
+    setup_logging()
+    args.data = resolve_data(args.data)
+    for dest, (full, quick) in sizes.items():
+        if not getattr(args, dest):
+            setattr(args, dest, quick if args.quick else full)
+    return args
 
 
 def resolve_data(data: str) -> str:

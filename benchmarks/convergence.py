@@ -35,16 +35,15 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    DEFAULT_DATA,
+    benchmark_parser,
     butterfly_bytes,
     data_name,
     emit,
     machine_info,
     median,
+    parse_benchmark_args,
     ratio,
-    resolve_data,
     run_peers,
-    setup_logging,
 )
 
 log = logging.getLogger("benchmarks.convergence")
@@ -232,10 +231,7 @@ def parse_outer(text: str) -> list[tuple[float, float]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny settings for the smoke test (seconds)")
-    parser.add_argument("--data", default=DEFAULT_DATA, help="text file, or 'builtin' (used when the file is missing)")
+    parser = benchmark_parser("convergence", __doc__, "tiny settings for the smoke test (seconds)")
     parser.add_argument("--preset", default="tiny", help="model preset")
     parser.add_argument("--workers", type=int, default=4, help="N: DiLoCo peers = data-parallel workers")
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default 50; --quick 4)")
@@ -254,14 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
+    args = parse_benchmark_args(build_parser(), argv, inner_steps=(50, 4), rounds=(6, 2), seq_len=(64, 32),
+                                batch_size=(8, 2), eval_windows=(512, 16), jobs=(2, 1))
     quick = args.quick
     setup = Setup(
-        data=resolve_data(args.data), model=args.preset, workers=args.workers,
-        inner_steps=args.inner_steps or (4 if quick else 50), rounds=args.rounds or (2 if quick else 6),
-        seq_len=args.seq_len or (32 if quick else 64), batch_size=args.batch_size or (2 if quick else 8),
-        eval_windows=args.eval_windows or (16 if quick else 512), curve_windows=8 if quick else 128,
+        data=args.data, model=args.preset, workers=args.workers, inner_steps=args.inner_steps, rounds=args.rounds,
+        seq_len=args.seq_len, batch_size=args.batch_size, eval_windows=args.eval_windows,
+        curve_windows=8 if quick else 128,
     )
     codecs = args.codecs.split(",")
     outer = parse_outer(args.outer)
@@ -275,13 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     arm_results: dict[str, dict] = {}
     if args.engine in ("exact", "both"):
-        jobs = args.jobs or (1 if quick else 2)
-        if jobs == 1:
+        if args.jobs == 1:
             for arm in arms:
                 arm_results[arm.name] = run_arm(setup, arm)
                 log.info("%s: held-out loss %.4f", arm.name, arm_results[arm.name]["final_heldout_loss"])
         else:
-            with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
                 futures = {pool.submit(run_arm, setup, arm): arm.name for arm in arms}
                 for future in as_completed(futures):
                     name = futures[future]

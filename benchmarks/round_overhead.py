@@ -30,14 +30,13 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    DEFAULT_DATA,
+    benchmark_parser,
     data_name,
     emit,
     machine_info,
     median,
-    resolve_data,
+    parse_benchmark_args,
     run_peers,
-    setup_logging,
 )
 
 log = logging.getLogger("benchmarks.round_overhead")
@@ -148,10 +147,7 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.round_overhead", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 tiny peers, 2 short rounds (smoke test)")
-    parser.add_argument("--data", default=DEFAULT_DATA, help="text file, or 'builtin' (used when the file is missing)")
+    parser = benchmark_parser("round_overhead", __doc__, "2 tiny peers, 2 short rounds (smoke test)")
     parser.add_argument("--peers", type=int, default=None, help="tiny-preset peers (default 4; --quick 2)")
     parser.add_argument("--inner-steps", type=int, default=None, help="H of the tiny run (default 20; --quick 3)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of the tiny run (default 5; --quick 2)")
@@ -163,14 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
-    quick = args.quick
-    data = resolve_data(args.data)
-    matchmaking_time = args.matchmaking_time or (2.0 if quick else 5.0)
-    peers = args.peers or (2 if quick else 4)
-    configs = [Config("tiny", peers, seq_len=32 if quick else 128, batch_size=2 if quick else 8,
-                      inner_steps=args.inner_steps or (3 if quick else 20), rounds=args.rounds or (2 if quick else 5),
+    args = parse_benchmark_args(build_parser(), argv, peers=(4, 2), inner_steps=(20, 3), rounds=(5, 2),
+                                matchmaking_time=(5.0, 2.0))
+    quick, data, matchmaking_time = args.quick, args.data, args.matchmaking_time
+    configs = [Config("tiny", args.peers, seq_len=32 if quick else 128, batch_size=2 if quick else 8,
+                      inner_steps=args.inner_steps, rounds=args.rounds,
                       compression=args.compression, matchmaking_time=matchmaking_time, threads=1)]
     if not (quick or args.skip_small):
         configs.append(Config("small", 2, seq_len=64, batch_size=1, inner_steps=4, rounds=3,

@@ -11,9 +11,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from template.chain.client import NETWORK_HELP
-
 DEFAULT_WALLET_PATH = "~/.bittensor/wallets"
+# What --subtensor.network accepts, for --help and for the chain facade's error messages.
+NETWORK_HELP = "finney, test, local, ws://HOST:PORT, wss://HOST:PORT or mock://127.0.0.1:PORT (the loopback mock chain)"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The chain facade the neurons use: one small, typed surface over ``bittensor.Subtensor``.
 
 It hides which chain is behind it — ``finney``, ``test``, ``local``, a raw ``ws://``/``wss://`` endpoint, or our
-loopback mock (``mock://127.0.0.1:PORT``) — and gives the neurons exactly what they need: the current block, a
-metagraph sync, their own uid, serving their hivemind address as an axon, and setting weights.
+loopback mock (``mock://127.0.0.1:PORT``) — and gives the neurons exactly what they need: the current block and the
+block time, a metagraph sync, their own uid, serving their hivemind address as an axon, committing a short text for
+their hotkey (the PeerID binding, formatted by ``template.p2p.identity``), and setting weights.
 
 On failure: transport errors (``bt.RpcConnectionError``, socket errors, time-outs) are retried with exponential
 backoff a bounded number of times and then re-raised; chain-side rejections (``bt.ChainError``: not registered,
@@ -22,12 +23,12 @@ import bittensor as bt
 from bittensor.settings import resolve_endpoint
 
 from template.chain.mock_server import MOCK_SCHEME, RemoteMockSubstrate, parse_mock_url
+from template.config import NETWORK_HELP
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# What --subtensor.network accepts, for error messages and --help.
-NETWORK_HELP = "finney, test, local, ws://HOST:PORT, wss://HOST:PORT or mock://127.0.0.1:PORT (the loopback mock chain)"
+MAX_COMMITMENT_BYTES = 128  # Commitments pallet: Data::Raw0..Raw128 per field
 
 
 class NetworkConfigError(ValueError):
@@ -117,6 +118,10 @@ class ChainClient:
     def block(self) -> int:
         return self._with_retry("read block", lambda: int(self.subtensor.block))
 
+    def block_time(self) -> float:
+        """Seconds per block, as the chain reports it."""
+        return self._with_retry("read block time", lambda: float(self.subtensor.block_time()))
+
     def metagraph(self) -> bt.Metagraph:
         """The subnet's metagraph; NetworkConfigError when the subnet does not exist."""
         graph = self._with_retry("sync metagraph", lambda: self.subtensor.subnets.metagraph(self.netuid))
@@ -143,6 +148,32 @@ class ChainClient:
         """Set weights ``{uid: weight}`` (relative; the SDK normalizes); raises bt.ChainError on rejection."""
         intent = bt.SetWeights(netuid=self.netuid, weights=weights, version_key=version_key)
         return self._with_retry("set weights", lambda: self.subtensor.execute(intent, wallet).raise_for_failure())
+
+    def set_commitment(self, wallet: bt.Wallet, text: str) -> None:
+        """Commit ``text`` as this hotkey's commitment on the subnet, in one ``Raw`` field; a no-op when the chain
+        already holds that text.
+
+        Skipping an identical commitment matters on restarts: commitments cost a deposit and count against the
+        pallet's per-interval space limit; it also makes a retry after a lost reply safe. ValueError for a text that
+        is not ASCII or longer than :data:`MAX_COMMITMENT_BYTES`; raises bt.ChainError when the chain refuses.
+        """
+        raw = text.encode("ascii")
+        if len(raw) > MAX_COMMITMENT_BYTES:
+            raise ValueError(f"a commitment holds at most {MAX_COMMITMENT_BYTES} bytes, got {len(raw)}")
+        hotkey = wallet.hotkey.ss58_address
+        call = bt.calls.Commitments.set_commitment(netuid=self.netuid, info={"fields": [{f"Raw{len(raw)}": raw}]})
+
+        def commit() -> bool:
+            current = self.subtensor.read("commitment", netuid=self.netuid, hotkey_ss58=hotkey)
+            if current is not None and current.data == text:
+                return False
+            self.subtensor.submit_call(call, wallet, signer="hotkey").raise_for_failure()
+            return True
+
+        if self._with_retry("set commitment", commit):
+            log.info("committed %r for hotkey %s on netuid %d", text, hotkey, self.netuid)
+        else:
+            log.debug("%r already committed for hotkey %s on netuid %d", text, hotkey, self.netuid)
 
     def close(self) -> None:
         self.subtensor.close()

@@ -275,15 +275,73 @@ async def poll_heads(
         await asyncio.sleep(interval)
 
 
+class UnmodelledMembers:
+    """The ``Substrate`` protocol members no mock chain models, shared by :class:`MockSubstrate` and the server's
+    client (``template.chain.mock_server.RemoteMockSubstrate``): each raises ``bt.ChainError`` (code DISABLED, "the
+    mock chain does not support ...") rather than answering with made-up data. ``UNMODELLED_REASONS`` adds to the
+    message, per member, why it is not modelled."""
+
+    UNMODELLED_REASONS: dict[str, str] = {}
+
+    def _unmodelled(self, member: str) -> bt.ChainError:
+        reason = self.UNMODELLED_REASONS.get(member)
+        return unsupported(f"{member} ({reason})" if reason else member)
+
+    async def get_block(self, block_number: int | None = None, block_hash: str | None = None) -> dict | None:
+        raise self._unmodelled("get_block")
+
+    async def decode_scale(self, type_string: str, data: Any) -> Any:
+        raise self._unmodelled("decode_scale")
+
+    async def events(self, block_hash: str | None = None) -> list[dict]:
+        raise self._unmodelled("events")
+
+    async def estimate_weight(self, call: Any, keypair: Any) -> dict:
+        raise self._unmodelled("estimate_weight")
+
+    async def sign_extrinsic(self, call: Any, keypair: Any, *, nonce: int, period: int) -> tuple[bytes, str]:
+        raise self._unmodelled("sign_extrinsic")
+
+    async def find_extrinsic(self, extrinsic_hash: str, block_hash: str) -> bt.ExtrinsicResult | None:
+        raise self._unmodelled("find_extrinsic")
+
+    async def prepare(self, call: Any, **kwargs: Any) -> Any:
+        raise self._unmodelled("prepare")
+
+    async def submit_signature(self, unsigned: Any, signature: Any, **kwargs: Any) -> bt.ExtrinsicResult:
+        raise self._unmodelled("submit_signature")
+
+    async def submit_signed(self, extrinsic: Any, keypair: Any, **kwargs: Any) -> bt.ExtrinsicResult:
+        raise self._unmodelled("submit_signed")
+
+    def multisig_account(self, signatories: list[str], threshold: int) -> Any:
+        raise self._unmodelled("multisig")
+
+    async def submit_multisig(self, call: Any, keypair: Any, account: Any, **kwargs: Any) -> bt.ExtrinsicResult:
+        raise self._unmodelled("multisig")
+
+
 # --- The chain ----------------------------------------------------------------------------------------------------
 
 
-class MockSubstrate:
+class MockSubstrate(UnmodelledMembers):
     """bittensor's ``Substrate`` protocol in memory, plus synchronous test helpers.
 
     Thread-safe: one re-entrant lock guards the state, so a blocking ``bt.Subtensor`` (which runs on its own loop
     thread), a clock thread and helper calls can share one instance.
     """
+
+    # Protocol members with no meaning on this chain (UnmodelledMembers refuses them): why, in the error message.
+    UNMODELLED_REASONS = {
+        "get_block": "blocks carry no extrinsics here",
+        "decode_scale": "nothing is SCALE-encoded here",
+        "events": "no event history is kept; receipts carry their events",
+        "sign_extrinsic": "no MEV shield",
+        "find_extrinsic": "no MEV shield",
+        "prepare": "out-of-process signing",
+        "submit_signature": "out-of-process signing",
+        "submit_signed": "pre-signed extrinsics",
+    }
 
     def __init__(self, *, seconds_per_block: float = 12.0, state: ChainState | None = None):
         if state is None:
@@ -618,41 +676,6 @@ class MockSubstrate:
                      wait_for_inclusion: bool = True, wait_for_finalization: bool = True) -> bt.ExtrinsicResult:
         result = self.apply_extrinsic(call, keypair.ss58_address, nonce=nonce)
         return finish_receipt(result, wait_for_inclusion or wait_for_finalization)
-
-    # Protocol members with no meaning on this chain: refused clearly rather than answered with made-up data.
-
-    async def get_block(self, block_number: int | None = None, block_hash: str | None = None) -> dict | None:
-        raise unsupported("get_block (blocks carry no extrinsics here)")
-
-    async def decode_scale(self, type_string: str, data: Any) -> Any:
-        raise unsupported("decode_scale (nothing is SCALE-encoded here)")
-
-    async def events(self, block_hash: str | None = None) -> list[dict]:
-        raise unsupported("events (no event history is kept; receipts carry their events)")
-
-    async def estimate_weight(self, call: Any, keypair: Any) -> dict:
-        raise unsupported("estimate_weight")
-
-    async def sign_extrinsic(self, call: Any, keypair: Any, *, nonce: int, period: int) -> tuple[bytes, str]:
-        raise unsupported("sign_extrinsic (no MEV shield)")
-
-    async def find_extrinsic(self, extrinsic_hash: str, block_hash: str) -> bt.ExtrinsicResult | None:
-        raise unsupported("find_extrinsic (no MEV shield)")
-
-    async def prepare(self, call: Any, **kwargs: Any) -> Any:
-        raise unsupported("prepare (out-of-process signing)")
-
-    async def submit_signature(self, unsigned: Any, signature: Any, **kwargs: Any) -> bt.ExtrinsicResult:
-        raise unsupported("submit_signature (out-of-process signing)")
-
-    async def submit_signed(self, extrinsic: Any, keypair: Any, **kwargs: Any) -> bt.ExtrinsicResult:
-        raise unsupported("submit_signed (pre-signed extrinsics)")
-
-    def multisig_account(self, signatories: list[str], threshold: int) -> Any:
-        raise unsupported("multisig")
-
-    async def submit_multisig(self, call: Any, keypair: Any, account: Any, **kwargs: Any) -> bt.ExtrinsicResult:
-        raise unsupported("multisig")
 
     # --- Internals: subnets, registration, permits, epochs -------------------------------------------------------
 

@@ -52,7 +52,7 @@ from bittensor._generated.calls import Call
 from bittensor.result import ErrorCode
 from bittensor.sp_core import verify as verify_signature
 
-from template.chain.mock import SPEC_VERSION, MockSubstrate, finish_receipt, poll_heads
+from template.chain.mock import SPEC_VERSION, MockSubstrate, UnmodelledMembers, finish_receipt, poll_heads
 
 MOCK_SCHEME = "mock://"
 MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: the largest legitimate request (a full weight row) is far smaller
@@ -448,11 +448,13 @@ class MockChainServer:
 # --- Client --------------------------------------------------------------------------------------------------------
 
 
-class RemoteMockSubstrate:
+class RemoteMockSubstrate(UnmodelledMembers):
     """The ``Substrate`` protocol over a :class:`MockChainServer`: every call is forwarded, writes are signed here.
 
     One persistent connection, used by one request at a time; the async methods run the blocking exchange in a worker
     thread, so the object works from the SDK's blocking facade and from any event loop. The test helpers are blocking.
+    Protocol members the mock chain does not model are refused here, as the server would refuse them
+    (:class:`template.chain.mock.UnmodelledMembers`).
     """
 
     def __init__(self, url_or_host: str, port: int | None = None, timeout: float = 10.0):
@@ -607,41 +609,6 @@ class RemoteMockSubstrate:
                                 nonce=nonce, signature=bytes(signature).hex())
         return finish_receipt(result_from_wire(wire), wait_for_inclusion or wait_for_finalization)
 
-    # Protocol members the mock chain does not model: the server would refuse them, so refuse here.
-
-    async def get_block(self, block_number: int | None = None, block_hash: str | None = None) -> dict | None:
-        raise _unsupported("get_block")
-
-    async def decode_scale(self, type_string: str, data: Any) -> Any:
-        raise _unsupported("decode_scale")
-
-    async def events(self, block_hash: str | None = None) -> list[dict]:
-        raise _unsupported("events")
-
-    async def estimate_weight(self, call: Any, keypair: Any) -> dict:
-        raise _unsupported("estimate_weight")
-
-    async def sign_extrinsic(self, call: Any, keypair: Any, *, nonce: int, period: int) -> tuple[bytes, str]:
-        raise _unsupported("sign_extrinsic")
-
-    async def find_extrinsic(self, extrinsic_hash: str, block_hash: str) -> bt.ExtrinsicResult | None:
-        raise _unsupported("find_extrinsic")
-
-    async def prepare(self, call: Any, **kwargs: Any) -> Any:
-        raise _unsupported("prepare")
-
-    async def submit_signature(self, unsigned: Any, signature: Any, **kwargs: Any) -> bt.ExtrinsicResult:
-        raise _unsupported("submit_signature")
-
-    async def submit_signed(self, extrinsic: Any, keypair: Any, **kwargs: Any) -> bt.ExtrinsicResult:
-        raise _unsupported("submit_signed")
-
-    def multisig_account(self, signatories: list[str], threshold: int) -> Any:
-        raise _unsupported("multisig")
-
-    async def submit_multisig(self, call: Any, keypair: Any, account: Any, **kwargs: Any) -> bt.ExtrinsicResult:
-        raise _unsupported("multisig")
-
     def __repr__(self) -> str:
         return f"RemoteMockSubstrate({self.url!r})"
 
@@ -649,10 +616,6 @@ class RemoteMockSubstrate:
 def _readable(sock: socket.socket) -> bool:
     readable, _, _ = select.select([sock], [], [], 0)
     return bool(readable)
-
-
-def _unsupported(what: str) -> bt.ChainError:
-    return bt.ChainError(f"the mock chain does not support {what}", code=ErrorCode.DISABLED)
 
 
 def _unwrap(reply: Any) -> Any:

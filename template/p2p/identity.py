@@ -7,14 +7,17 @@ registered hotkey without any extra handshake. The committed value is ``"dl1:<Pe
 (the Commitments pallet's ``Data::Raw0..Raw128``: at most :data:`MAX_COMMITMENT_BYTES` bytes; a PeerID is 46–52
 characters). A hotkey has one commitment per subnet, so committing replaces any earlier one of that hotkey.
 
-On failure: :func:`commit_peer_id` raises ``bt.ChainError`` when the chain refuses (e.g. unregistered hotkey) and
-lets transport errors through; :func:`peer_directory` never raises on chain content: malformed or sealed commitments
-are skipped, and a PeerID claimed by more than one hotkey belongs to the hotkey that committed it first (the others'
-claims are ignored, logged). A PeerID is a fresh key's hash that nobody knows before its owner starts its host, so a
-copycat can only commit it later; letting every claim cancel the others instead would let any registered hotkey cut a
-validator or miner off the network by copying its PeerID. Claims committed in the same block are all dropped, since
-nobody can tell which is honest. :func:`verify` returns False — never raises — for any malformed address, signature
-or payload.
+This module never talks to the chain: a neuron commits through the chain facade,
+``chain.set_commitment(wallet, commitment_value(peer_id))`` (:meth:`template.chain.client.ChainClient.set_commitment`,
+which retries transport errors and skips a value the chain already holds), and reads commitments from its metagraph.
+
+On failure: :func:`commitment_value` raises ValueError for anything but a PeerID; :func:`peer_directory` never raises
+on chain content: malformed or sealed commitments are skipped, and a PeerID claimed by more than one hotkey belongs
+to the hotkey that committed it first (the others' claims are ignored, logged). A PeerID is a fresh key's hash that
+nobody knows before its owner starts its host, so a copycat can only commit it later; letting every claim cancel the
+others instead would let any registered hotkey cut a validator or miner off the network by copying its PeerID.
+Claims committed in the same block are all dropped, since nobody can tell which is honest. :func:`verify` returns
+False — never raises — for any malformed address, signature or payload.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import bittensor as bt
 import multihash
 from bittensor.sp_core import verify as sr25519_verify
 
+from template.chain.client import MAX_COMMITMENT_BYTES
+
 __all__ = [
     "COMMITMENT_PREFIX",
     "MAX_COMMITMENT_BYTES",
     "PeerDirectory",
     "PeerRecord",
-    "commit_peer_id",
     "commitment_value",
     "is_peer_id",
     "parse_commitment",
@@ -47,7 +51,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 COMMITMENT_PREFIX = "dl1:"  # bump the digit when the value's format changes
-MAX_COMMITMENT_BYTES = 128  # Commitments pallet: Data::Raw0..Raw128 per field
 # libp2p: small keys (ed25519, secp256k1) are inlined with the identity hash, RSA keys are hashed with sha2-256.
 _PEER_ID_HASHES = (multihash.Func.identity, multihash.Func.sha2_256)
 
@@ -77,23 +80,6 @@ def parse_commitment(value: object) -> str | None:
         return None
     peer_id = value[len(COMMITMENT_PREFIX) :]
     return peer_id if is_peer_id(peer_id) else None
-
-
-def commit_peer_id(subtensor: bt.Subtensor, wallet: bt.Wallet, netuid: int, peer_id: str) -> None:
-    """Commit ``peer_id`` as this hotkey's PeerID on ``netuid``; a no-op when the chain already holds that value.
-
-    Skipping an identical commitment matters on restarts: commitments cost a deposit and count against the pallet's
-    per-interval space limit. Raises ``bt.ChainError`` when the chain refuses the extrinsic.
-    """
-    value = commitment_value(peer_id)
-    current = subtensor.read("commitment", netuid=netuid, hotkey_ss58=wallet.hotkey.ss58_address)
-    if current is not None and current.data == value:
-        log.debug("PeerID %s already committed on netuid %d", peer_id, netuid)
-        return
-    raw = value.encode("ascii")
-    call = bt.calls.Commitments.set_commitment(netuid=netuid, info={"fields": [{f"Raw{len(raw)}": raw}]})
-    subtensor.submit_call(call, wallet, signer="hotkey").raise_for_failure()
-    log.info("committed PeerID %s for hotkey %s on netuid %d", peer_id, wallet.hotkey.ss58_address, netuid)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ import pytest
 
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
-from template.p2p.identity import commit_peer_id, peer_directory
+from template.p2p.identity import peer_directory
 from template.p2p.publication import permit_holders
+from tests.integration.p2p_helpers import commit_peer_id
 
 NETUID = 6
 

@@ -30,7 +30,7 @@ from hivemind.proto import runtime_pb2
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
-from template.p2p.identity import PeerDirectory, commit_peer_id, peer_directory, sign
+from template.p2p.identity import PeerDirectory, peer_directory, sign
 from template.p2p.publication import (
     HANDLER_NAME,
     Publication,
@@ -48,8 +48,8 @@ from template.protocol import (
     ReplyStatus,
     encode_payload,
 )
+from tests.integration.p2p_helpers import commit_peer_id, run
 from tests.integration.p2p_helpers import message_frame as frame
-from tests.integration.p2p_helpers import run
 
 pytestmark = pytest.mark.timeout(90)
 

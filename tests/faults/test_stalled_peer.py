@@ -26,24 +26,15 @@ import torch
 
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
 from template.training.averaging import AveragingConfig, PseudoGradientAverager
+from tests.integration.p2p_helpers import AVERAGER_CHILD_PREAMBLE
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = [torch.Size([300_000]), torch.Size([300, 1000])]  # 600k float32 values: transfers are in flight a while
 SMALL = [torch.Size([50_000])]  # where nothing is in flight when the peer stalls
 WEIGHTS = [1.0, 3.0]
 
-STALLER = textwrap.dedent(
+STALLER = AVERAGER_CHILD_PREAMBLE + textwrap.dedent(
     """
-    import json, os, signal, sys, threading, time
-    import torch
-    from template.p2p.dht import DHTConfig, start_dht
-    from template.training.averaging import AveragingConfig, PseudoGradientAverager
-
-    args = json.loads(sys.argv[1])
-    dht = start_dht(DHTConfig(initial_peers=args["initial_peers"]))
-    shapes = [torch.Size(s) for s in args["shapes"]]
-    averager = PseudoGradientAverager(dht, shapes, AveragingConfig(**args["config"]))
-    print("READY", flush=True)
     when = json.loads(sys.stdin.readline())  # the test's round: scheduled time and deadline
     handle = averager.begin(2.0, {"rank": "staller"}, when["scheduled"], when["deadline"])
     deltas = None if args["config"]["auxiliary"] else [torch.randn(s) for s in shapes]

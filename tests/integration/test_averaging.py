@@ -28,15 +28,10 @@ import torch
 from hivemind.utils import get_dht_time
 
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
-from template.training.averaging import (
-    WEIGHT_CAP_MULTIPLE,
-    AveragingConfig,
-    AveragingResult,
-    PseudoGradientAverager,
-    _CheckedPartReducer,
-    _Contribution,
-)
+from template.training.averaging import AveragingConfig, AveragingResult, PseudoGradientAverager
 from template.training.compression import get_compression
+from template.training.part_reducer import WEIGHT_CAP_MULTIPLE, CheckedPartReducer, Contribution
+from tests.integration.p2p_helpers import AVERAGER_CHILD_PREAMBLE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [torch.Size([40_000]), torch.Size([200, 250]), torch.Size([9_000]), torch.Size([17])]  # ~99k values
@@ -230,18 +225,8 @@ def test_auxiliary_peer_receives_the_same_average(dhts):
     assert results[2].bytes_received >= sum(s.numel() for s in SHAPES)
 
 
-VICTIM = textwrap.dedent(
+VICTIM = AVERAGER_CHILD_PREAMBLE + textwrap.dedent(
     """
-    import json, sys, threading, time
-    import torch
-    from template.p2p.dht import DHTConfig, start_dht
-    from template.training.averaging import AveragingConfig, PseudoGradientAverager
-
-    args = json.loads(sys.argv[1])
-    dht = start_dht(DHTConfig(initial_peers=args["initial_peers"]))
-    shapes = [torch.Size(s) for s in args["shapes"]]
-    averager = PseudoGradientAverager(dht, shapes, AveragingConfig(**args["config"]))
-    print("READY", flush=True)
     handle = averager.begin(3.0, {"rank": "victim"}, args["scheduled"], args["deadline"])
     while handle.control.stage.name in ("IDLE", "LOOKING_FOR_GROUP") and time.time() < args["deadline"]:
         time.sleep(0.01)
@@ -405,7 +390,7 @@ def reduce_one_part(contributions, weights, clip=3.0, codec="none"):
     """Run the owner's reduction of a single part without any network."""
 
     async def run():
-        reducer = _CheckedPartReducer(
+        reducer = CheckedPartReducer(
             [torch.Size([4])], [f"peer{i}" for i in range(len(weights))], weights, get_compression(codec), clip
         )
         results = await asyncio.gather(*(reducer.accumulate_part(c, 0) for c in contributions), return_exceptions=True)
@@ -418,13 +403,13 @@ def reduce_one_part(contributions, weights, clip=3.0, codec="none"):
 def test_reducer_drops_bad_parts_and_clips_to_the_lower_median():
     good = [torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 2.0, 0.0, 0.0])]
     contributions = [
-        _Contribution(0, good[0], 1.0, None),
-        _Contribution(1, good[1], 1.0, None),
-        _Contribution(2, torch.tensor([0.0, 0.0, 100.0, 0.0]), 1.0, None),  # norm 100 -> clipped to 3 x 2
-        _Contribution(3, torch.tensor([float("nan"), 0, 0, 0]), 1.0, None),  # non-finite -> dropped
-        _Contribution(4, torch.ones(4), 5.0, None),  # weight differs from the announced 1.0 -> dropped
-        _Contribution(5, torch.ones(3), 1.0, None),  # wrong size -> dropped
-        _Contribution(6, None, 1.0, "undecodable: bad magic"),
+        Contribution(0, good[0], 1.0, None),
+        Contribution(1, good[1], 1.0, None),
+        Contribution(2, torch.tensor([0.0, 0.0, 100.0, 0.0]), 1.0, None),  # norm 100 -> clipped to 3 x 2
+        Contribution(3, torch.tensor([float("nan"), 0, 0, 0]), 1.0, None),  # non-finite -> dropped
+        Contribution(4, torch.ones(4), 5.0, None),  # weight differs from the announced 1.0 -> dropped
+        Contribution(5, torch.ones(3), 1.0, None),  # wrong size -> dropped
+        Contribution(6, None, 1.0, "undecodable: bad magic"),
     ]
     reducer, results = reduce_one_part(contributions, [1.0] * 7)
     assert not any(isinstance(r, BaseException) for r in results)
@@ -441,7 +426,7 @@ def test_reducer_drops_bad_parts_and_clips_to_the_lower_median():
 def test_reducer_with_two_senders_clips_the_inflated_one():
     honest, inflated = torch.tensor([3.0, 4.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.0, 5e6])
     _, results = reduce_one_part(
-        [_Contribution(0, honest, 1.0, None), _Contribution(1, inflated, 1.0, None)], [1.0, 1.0], clip=2.0
+        [Contribution(0, honest, 1.0, None), Contribution(1, inflated, 1.0, None)], [1.0, 1.0], clip=2.0
     )
     assert torch.allclose(results[0].decoded, torch.tensor([1.5, 2.0, 0.0, 5.0]))
 
@@ -451,7 +436,7 @@ def test_reducer_caps_an_inflated_announced_weight():
     """A peer announcing 1e300 tokens counts as WEIGHT_CAP_MULTIPLE x the lower median of the announced weights."""
     a, b, liar = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.full((4,), -1.0)
     weights = [1.0, 1.0, 1e300]
-    contributions = [_Contribution(i, t, w, None) for i, (t, w) in enumerate(zip((a, b, liar), weights, strict=True))]
+    contributions = [Contribution(i, t, w, None) for i, (t, w) in enumerate(zip((a, b, liar), weights, strict=True))]
     _, results = reduce_one_part(contributions, weights, clip=None)
     cap = WEIGHT_CAP_MULTIPLE * 1.0
     expected = (a + b + cap * liar) / (2 + cap)
@@ -460,5 +445,5 @@ def test_reducer_caps_an_inflated_announced_weight():
 
 @pytest.mark.timeout(30)
 def test_reducer_fails_the_part_when_nothing_valid_arrives():
-    _, results = reduce_one_part([_Contribution(0, torch.full((4,), float("inf")), 1.0, None)], [1.0])
+    _, results = reduce_one_part([Contribution(0, torch.full((4,), float("inf")), 1.0, None)], [1.0])
     assert isinstance(results[0], Exception) and "no valid contribution" in str(results[0])

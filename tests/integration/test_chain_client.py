@@ -6,6 +6,7 @@ registration check crosses a process boundary the way an operator's shell does.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -68,18 +69,37 @@ def test_client_serves_axon_and_sets_weights(chain):
     assert dict(dict(client.subtensor.weights.weights(NETUID))[0]) == weights
 
 
-def test_client_retries_transport_errors_then_raises():
+def test_client_commits_a_text_once_and_reads_the_block_time(chain):
+    server, mock, wallets, _ = chain
+    client = ChainClient.connect(server.url, NETUID)
+    assert client.block_time() == mock.block_time_sync()
+    wallet, hotkey = wallets["miner2"], wallets["miner2"].hotkey.ss58_address
+    client.set_commitment(wallet, "dl1:some-text")
+    nonce = mock.account_next_index_sync(hotkey)
+    client.set_commitment(wallet, "dl1:some-text")  # the chain holds it already: nothing submitted
+    assert mock.account_next_index_sync(hotkey) == nonce
+    assert client.subtensor.read("commitment", netuid=NETUID, hotkey_ss58=hotkey).data == "dl1:some-text"
+    with pytest.raises(bt.ChainError):
+        client.set_commitment(wallets["outsider"], "dl1:some-text")  # not registered: refused, not retried
+    with pytest.raises(ValueError, match="at most 128 bytes"):
+        client.set_commitment(wallet, "x" * 129)
+
+
+@pytest.mark.parametrize("operation", ["sync metagraph", "set commitment"])
+def test_client_retries_transport_errors_then_raises(operation, tmp_path, caplog):
     with socket.socket() as probe:  # a loopback port with nothing listening
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     client = ChainClient(open_subtensor(f"mock://127.0.0.1:{port}"), NETUID,
                          retry=RetryPolicy(attempts=3, base_delay_s=0.01))
-    calls = []
-    original = client.subtensor.subnets.metagraph
-    client.subtensor.subnets.metagraph = lambda netuid: calls.append(netuid) or original(netuid)
+    caplog.set_level(logging.WARNING, logger="template.chain.client")
     with pytest.raises(bt.RpcConnectionError):
-        client.metagraph()
-    assert calls == [NETUID] * 3
+        if operation == "sync metagraph":
+            client.metagraph()
+        else:
+            client.set_commitment(create_wallet("committer", "default", tmp_path), "dl1:some-text")
+    retries = [r for r in caplog.records if r.getMessage().startswith(f"{operation} failed")]
+    assert len(retries) == 2  # three attempts: two retries, then the last error reaches the caller
 
 
 @pytest.mark.parametrize("network", ["mars", "mock://", "mock://127.0.0.1:notaport", "mock://10.0.0.8:9944"])

@@ -25,11 +25,12 @@ from template.chain.mock import MockSubstrate
 from template.chain.mock_server import MockChainServer
 from template.chain.wallets import create_wallet
 from template.p2p.dht import DHTConfig, start_dht
-from template.p2p.identity import commit_peer_id, peer_directory
+from template.p2p.identity import peer_directory
 from template.p2p.publication import RefusedError, fetch_publication
 from template.protocol import PROTOCOL_VERSION, FetchRequest
 from template.training.checkpoint import load_latest_checkpoint
 from tests.integration.neuron_processes import REPO, events, neuron_command, start_process, stop_process, wait_until
+from tests.integration.p2p_helpers import commit_peer_id
 
 NETUID = 2
 SECONDS_PER_BLOCK = 0.5

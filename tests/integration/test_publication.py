@@ -25,7 +25,7 @@ from hivemind.proto import runtime_pb2
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
-from template.p2p.identity import PeerDirectory, commit_peer_id, peer_directory, verify
+from template.p2p.identity import PeerDirectory, peer_directory, verify
 from template.p2p.publication import (
     HANDLER_NAME,
     FetchTimeoutError,
@@ -38,7 +38,7 @@ from template.p2p.publication import (
     permit_holders,
 )
 from template.protocol import PROTOCOL_VERSION, FetchReply, FetchRequest, ProtocolError, ReplyStatus
-from tests.integration.p2p_helpers import message_frame, run
+from tests.integration.p2p_helpers import commit_peer_id, message_frame, run
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from template.localnet import (
+from template.localnet.network import (
     NETUID,
     RUN_MARKER_ENV,
     LocalnetConfig,
@@ -17,8 +17,8 @@ from template.localnet import (
     config_from_args,
     neuron_command,
 )
-from template.localnet_report import NeuronInfo
-from template.localnet_view import LiveView, last_progress, print_summary, tail_text
+from template.localnet.report import NeuronInfo
+from template.localnet.view import LiveView, last_progress, print_summary, tail_text
 from template.training.cli import run_spec_from
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from template.localnet_report import (
+from template.localnet.report import (
     REPORT_FILES,
     ChainSnapshot,
     NeuronInfo,

@@ -27,7 +27,6 @@ from template.p2p.identity import (
     MAX_COMMITMENT_BYTES,
     PeerDirectory,
     PeerRecord,
-    commit_peer_id,
     is_peer_id,
     parse_commitment,
     peer_directory,
@@ -48,6 +47,7 @@ from template.protocol import (
     encode_payload,
     payload_size_limit,
 )
+from tests.integration.p2p_helpers import commit_peer_id
 
 NETUID = 7
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

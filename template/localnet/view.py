@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from template.localnet_report import NeuronInfo
+from template.localnet.report import NeuronInfo
 
 PROGRESS = re.compile(r"round (\d+) step (\d+)/(\d+) loss (\S+) (\d+) tok/s")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

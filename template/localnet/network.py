@@ -6,7 +6,7 @@ server; start the validator and the miners as separate processes (``neurons/vali
 each in its own process group, logging to ``DIR/<name>.log`` and appending JSON events to ``DIR/<name>.events``);
 run until every miner has reported R rounds; wait until the validator has set weights and a Yuma epoch has run on
 them; read weights, incentive and emission from the chain; stop everything; write ``DIR/report.json``, two PNG plots
-and ``DIR/report.html`` (:mod:`template.localnet_report`). Everything listens on 127.0.0.1 only.
+and ``DIR/report.html`` (:mod:`template.localnet.report`). Everything listens on 127.0.0.1 only.
 
 While it runs, the terminal shows one status line per neuron (role, uid, round, step or scored miners, loss,
 tokens/s), redrawn every second, and one line per finished round (group size, all-reduce seconds, bytes, weights).
@@ -40,7 +40,7 @@ from template.base.behaviours import load_behaviour
 from template.chain.client import ChainClient
 from template.chain.mock_server import RemoteMockSubstrate
 from template.chain.wallets import create_wallet
-from template.localnet_report import (
+from template.localnet.report import (
     HONEST,
     ChainSnapshot,
     NeuronInfo,
@@ -49,13 +49,13 @@ from template.localnet_report import (
     round_rows,
     write_report,
 )
-from template.localnet_view import LiveView, print_summary, tail_text
+from template.localnet.view import LiveView, print_summary, tail_text
 from template.training.compression import CODEC_NAMES
-from template.training.data import BUILTIN_SOURCE, HF_PREFIX
+from template.training.data import names_files
 from template.training.model import MODEL_PRESETS
 from template.training.run import PeerProcess
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # template/localnet/network.py -> the repository root
 RUN_MARKER_ENV = "DILOCO_LOCALNET_RUN"  # every child (and whatever it forks) inherits it: how tests find leftovers
 NETUID = 1
 VALIDATOR_STAKE_TAO = 1000.0
@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated, one per miner: honest, copycat, freerider, noise, scaled, stale, "
                              "overfitter or module:Class (default: all honest)")
     parser.add_argument("--model", default=defaults.model, choices=sorted(MODEL_PRESETS), help="model preset")
-    parser.add_argument("--data", default=defaults.data, help="'builtin' (generated, no download) or files")
+    parser.add_argument("--data", default=defaults.data,
+                        help="'builtin' (generated, no download), 'stdlib' (Python's own English docs) or files")
     parser.add_argument("--blocks-per-round", type=int, default=defaults.blocks_per_round)
     parser.add_argument("--seconds-per-block", type=float, default=defaults.seconds_per_block)
     parser.add_argument("--tempo", type=int, default=defaults.tempo, help="blocks between Yuma epochs")
@@ -411,8 +412,9 @@ def config_from_args(argv: list[str] | None) -> LocalnetConfig:
 
 
 def absolute_sources(data: str) -> str:
-    """File sources made absolute (the neurons run from the repository root); ``builtin`` and ``hf:`` as they are."""
-    if data == BUILTIN_SOURCE or data.startswith(HF_PREFIX):
+    """File sources made absolute (the neurons run from the repository root); ``builtin``, ``stdlib`` and ``hf:`` as
+    they are."""
+    if not names_files(data):
         return data
     return ",".join(str(Path(part).expanduser().resolve()) for part in data.split(","))
 
@@ -440,6 +442,3 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(report, config.out)
     return status
 
-
-if __name__ == "__main__":
-    sys.exit(main())
