@@ -25,7 +25,10 @@ import logging
 import math
 import os
 import random
+import sys
+import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
@@ -98,18 +101,26 @@ def load_tokenizer(name: str) -> Tokenizer:
 # --------------------------------------------------------------------------------------------------- sources
 
 BUILTIN_SOURCE = "builtin"
+STDLIB_SOURCE = "stdlib"
 HF_PREFIX = "hf:"
+
+
+def names_files(source: str) -> bool:
+    """Whether ``source`` is paths/globs of files (not ``builtin``, ``stdlib`` or an ``hf:`` dataset)."""
+    return source not in (BUILTIN_SOURCE, STDLIB_SOURCE) and not source.startswith(HF_PREFIX)
 
 
 def iter_documents(source: str, *, text_column: str = "text") -> Iterator[str]:
     """Documents from a source string.
 
-    ``"builtin"``: ``builtin_corpus()``; ``"hf:NAME"``, ``"hf:NAME:CONFIG"``: a Hugging Face dataset,
-    streamed (train split); anything else: comma-separated paths or globs of .txt (one document per
-    file), .jsonl (one per line, ``text_column``) or .parquet (one per row, ``text_column``) files.
+    ``"builtin"``: ``builtin_corpus()``; ``"stdlib"``: ``stdlib_corpus()``; ``"hf:NAME"``, ``"hf:NAME:CONFIG"``:
+    a Hugging Face dataset, streamed (train split); anything else: comma-separated paths or globs of .txt (one
+    document per file), .jsonl (one per line, ``text_column``) or .parquet (one per row, ``text_column``) files.
     """
     if source == BUILTIN_SOURCE:
         return iter(builtin_corpus())
+    if source == STDLIB_SOURCE:
+        return iter(stdlib_corpus())
     if source.startswith(HF_PREFIX):
         name, _, config = source[len(HF_PREFIX) :].partition(":")
         return iter_hf_documents(name, config or None, text_column=text_column)
@@ -289,9 +300,28 @@ def build_corpus(
     return corpus
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """Where a run's text comes from and how it becomes tokens (every peer of a run must agree)."""
+
+    source: str = BUILTIN_SOURCE  # see iter_documents
+    text_column: str = "text"
+    max_tokens: int | None = None
+    tokenizer: str = "bytes"
+
+    def load(self, seq_len: int, cache_dir: str | Path | None = None) -> tuple[Tokenizer, TokenCorpus]:
+        """The tokenizer and the corpus, from the token cache in ``cache_dir`` when it matches."""
+        tokenizer = load_tokenizer(self.tokenizer)
+        corpus = build_corpus(self.source, tokenizer, seq_len, text_column=self.text_column,
+                              max_tokens=self.max_tokens, cache_dir=cache_dir)
+        return tokenizer, corpus
+
+
 def _source_key(source: str, tokenizer_name: str, text_column: str, max_tokens: int | None) -> str:
     parts = [source, tokenizer_name, text_column, str(max_tokens)]
-    if source != BUILTIN_SOURCE and not source.startswith(HF_PREFIX):
+    if source == STDLIB_SOURCE:
+        parts.append(sys.version)  # its text changes with the Python release
+    elif names_files(source):
         for path in resolve_files(source.split(",")):
             stat = path.stat()
             parts.append(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
@@ -370,6 +400,34 @@ sixteen seventeen eighteen nineteen twenty".split()
     for _ in range(520):
         paragraphs = [" ".join(pick(generators)() for _ in range(2 + int(rng.random() * 3))) for _ in range(2)]
         documents.append("\n".join(paragraphs) + "\n")
+    return tuple(documents)
+
+
+@lru_cache(maxsize=1)
+def stdlib_corpus() -> tuple[str, ...]:
+    """Real English prose that every Python install carries: ~1.3 MB on CPython 3.11, no download, no file.
+
+    The generated built-in corpus is too regular to show memorization (a model that overfits one batch of it still
+    helps every other batch), so whatever needs natural text without a data file uses this: the interactive help's
+    documentation topics (``pydoc_data.topics``, ~465 KB), then the docstrings of the standard library's top-level
+    modules, read with ``ast`` (nothing is imported or run), in sorted order. The text differs between Python
+    releases, and so does the corpus fingerprint: peers on different Pythons fail fast with ``RunMismatchError``.
+    Meant for tests and local runs; a real run names its data.
+    """
+    import ast
+    from pydoc_data.topics import topics
+
+    documents = [topics[name] for name in sorted(topics)]
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):  # a file this Python cannot parse carries no prose
+            continue
+        docstrings = [ast.get_docstring(node) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        text = "\n\n".join(d for d in docstrings if d)
+        if text:
+            documents.append(text)
     return tuple(documents)
 
 
