@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import emit, machine_info, median, ratio, setup_logging
-from template.base.neuron import DEFAULT_ALLREDUCE_FRACTION, allreduce_grace
+from template.base.config import DEFAULT_ALLREDUCE_FRACTION
+from template.base.neuron import allreduce_grace
 from template.base.validator import SCORING_MARGIN_S
 from template.localnet import LocalnetConfig
 from template.training.data import DataAssignment, build_corpus, load_tokenizer

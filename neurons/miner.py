@@ -18,19 +18,10 @@ import os
 import sys
 
 from template.base.behaviours import BUILTIN, load_behaviour
+from template.base.config import NeuronConfig, add_miner_args, add_neuron_args
 from template.base.miner import Miner
-from template.base.neuron import (
-    NEURON_ERRORS,
-    add_neuron_args,
-    fatal_error,
-    prepare_process,
-    start_neuron,
-    state_dir,
-)
-from template.base.telemetry import add_wandb_args
+from template.base.neuron import NEURON_ERRORS, fatal_error, prepare_process, start_neuron
 from template.chain.wallets import open_wallet
-from template.config import chain_args_from
-from template.training.cli import add_averaging_args, add_run_args, dotted
 from template.training.distributed import close_node_group, init_node_group
 
 
@@ -38,12 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neurons/miner.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_neuron_args(parser)
-    add_wandb_args(parser)
-    add_run_args(parser, dotted)
-    add_averaging_args(parser, dotted)
-    parser.add_argument("--miner.behaviour", dest="miner_behaviour", default="honest",
-                        help=f"what this miner trains and publishes: {', '.join(sorted(BUILTIN))}, or module:Class "
-                             "(see template/base/behaviours.py)")
+    add_miner_args(parser, sorted(BUILTIN))
     return parser
 
 
@@ -53,31 +39,35 @@ def rank_device(device: str, local_rank: int, world: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    stop = prepare_process(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = NeuronConfig.from_args(args)
+    except ValueError as err:  # values that parse but do not fit together (e.g. a run id with a '.')
+        parser.error(str(err))
+    stop = prepare_process(config)
     node = init_node_group()
     ctx = miner = None
     try:
         try:
-            behaviour = load_behaviour(args.miner_behaviour)
-            chain_args = chain_args_from(args)
-            hotkey = open_wallet(chain_args.wallet.name, chain_args.wallet.hotkey, chain_args.wallet.path)
+            behaviour = load_behaviour(config.miner.behaviour)
+            wallet = config.chain.wallet
+            hotkey = open_wallet(wallet.name, wallet.hotkey, wallet.path)
             if node.is_leader:
-                ctx = start_neuron(args, stop)
+                ctx = start_neuron(config, stop)
         except NEURON_ERRORS:
             node.broadcast_int(0)  # the other ranks must not wait for a leader that is not coming
             raise
         if not node.broadcast_int(1):
             return 2
-        device = rank_device(args.neuron_device, int(os.environ.get("LOCAL_RANK", "0")), node.world)
-        miner = Miner(ctx, args, behaviour, hotkey=hotkey.hotkey.ss58_address, state=state_dir(args, chain_args),
-                      node=node, stop=stop, device=device)
+        device = rank_device(config.neuron.device, int(os.environ.get("LOCAL_RANK", "0")), node.world)
+        miner = Miner(ctx, config, behaviour, hotkey=hotkey.hotkey.ss58_address, node=node, stop=stop, device=device)
         rounds = miner.run()
         if ctx is not None:
             ctx.emit("stopped", uid=ctx.uid, rounds=rounds)
         return 0
     except NEURON_ERRORS as err:
-        return fatal_error(err, args.subtensor_network)
+        return fatal_error(err, config.chain.subtensor.network)
     finally:
         if miner is not None:
             miner.close()

@@ -17,41 +17,42 @@ from __future__ import annotations
 import argparse
 import sys
 
-from template.base.neuron import NEURON_ERRORS, add_neuron_args, fatal_error, prepare_process, start_neuron
-from template.base.telemetry import add_wandb_args
-from template.base.validator import Validator, add_validator_args
-from template.training.cli import add_averaging_args, add_run_args, dotted
+from template.base.config import NeuronConfig, add_neuron_args, add_validator_args
+from template.base.neuron import NEURON_ERRORS, fatal_error, prepare_process, start_neuron
+from template.base.validator import Validator
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neurons/validator.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_neuron_args(parser)
-    add_wandb_args(parser)
-    add_run_args(parser, dotted)
-    add_averaging_args(parser, dotted)
     add_validator_args(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    stop = prepare_process(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = NeuronConfig.from_args(args)
+    except ValueError as err:  # values that parse but do not fit together (e.g. a run id with a '.')
+        parser.error(str(err))
+    stop = prepare_process(config)
     ctx = validator = None
     try:
-        ctx = start_neuron(args, stop)
+        ctx = start_neuron(config, stop)
         permit = bool(ctx.chain.metagraph().neuron(ctx.uid).validator_permit)
-        if not permit and not args.neuron_allow_no_permit:
-            print(f"error: uid {ctx.uid} has no validator permit on netuid {ctx.chain_args.netuid}: stake more "
+        if not permit and not config.validator.allow_no_permit:
+            print(f"error: uid {ctx.uid} has no validator permit on netuid {ctx.netuid}: stake more "
                   "(btcli stake add) or wait for the next epoch; --neuron.allow_no_permit runs anyway, but miners "
                   "refuse to serve a validator without a permit", file=sys.stderr)
             return 2
-        validator = Validator(ctx, args, args.neuron_device)
+        validator = Validator(ctx)
         rounds = validator.run()
         ctx.emit("stopped", uid=ctx.uid, rounds=rounds)
         return 0
     except NEURON_ERRORS as err:
-        return fatal_error(err, args.subtensor_network)
+        return fatal_error(err, config.chain.subtensor.network)
     finally:
         if validator is not None:
             validator.close()

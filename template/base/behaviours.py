@@ -15,7 +15,9 @@ strategies (``--miner.behaviour my_module:MyBehaviour``, a subclass of :class:`M
 | overfitter   | one fixed batch, over and over      | its Δ                                      |
 | copycat      | nothing                             | the group's averaged Δ̄ of the round, plus small noise |
 
-A behaviour never touches the all-reduce protocol itself: what it trains is what it contributes there (so a
+A behaviour is two functions of values: :meth:`MinerBehaviour.plan` turns the engine's plain plan for a round into
+what this miner trains (steps, windows), and :meth:`MinerBehaviour.publication` picks what to publish from the
+round's outcome. It never touches the all-reduce protocol itself: what it trains is what it contributes there (so a
 free-rider contributes a zero Δ with zero tokens), and the averager's own checks bound what it can do to others.
 """
 
@@ -23,40 +25,44 @@ from __future__ import annotations
 
 import importlib
 from collections import deque
+from dataclasses import replace
 
 import torch
 
-from template.training.diloco import DiLoCoPeer
-
-Tensors = list[torch.Tensor]
+from template.training.round import RoundOutcome, RoundPlan, Tensors
 
 
 class MinerBehaviour:
-    """Base class: honest DiLoCo. Override ``configure`` (what to train) and/or ``submission`` (what to publish)."""
+    """Base class: honest DiLoCo. Override ``plan`` (what to train) and/or ``publication`` (what to publish)."""
 
     name = "honest"
 
-    def configure(self, peer: DiLoCoPeer) -> None:
-        """Called once, before the first round: set ``peer.window_selector`` / ``peer.max_inner_steps``."""
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        """What to train this round, given the plain DiLoCo plan (H steps on the assigned windows)."""
+        return plan
 
-    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
-        """The tensors to publish for ``round``; ``delta`` is what this miner contributed, ``averaged`` the group's Δ̄
-        (None when the all-reduce failed)."""
-        return delta
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        """The tensors to publish for ``outcome.round``: ``outcome.delta`` is what this miner contributed,
+        ``outcome.averaged`` the group's Δ̄ (None when the all-reduce failed). None publishes nothing."""
+        return outcome.delta
 
 
 class Honest(MinerBehaviour):
     name = "honest"
 
 
+def _trains_nothing(plan: RoundPlan) -> RoundPlan:
+    return replace(plan, max_steps=0)
+
+
 class FreeRider(MinerBehaviour):
     name = "freerider"
 
-    def configure(self, peer: DiLoCoPeer) -> None:
-        peer.max_inner_steps = 0
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        return _trains_nothing(plan)
 
-    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
-        return [torch.zeros_like(t) for t in delta]
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        return None if outcome.delta is None else [torch.zeros_like(t) for t in outcome.delta]
 
 
 class Noise(MinerBehaviour):
@@ -67,11 +73,13 @@ class Noise(MinerBehaviour):
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)
 
-    def configure(self, peer: DiLoCoPeer) -> None:
-        peer.max_inner_steps = 0
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        return _trains_nothing(plan)
 
-    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
-        reference = averaged if averaged is not None else delta
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        reference = outcome.averaged if outcome.averaged is not None else outcome.delta
+        if reference is None:
+            return None
         noise = []
         for ref in reference:
             sample = torch.randn(ref.shape, generator=self._generator)
@@ -85,8 +93,8 @@ class Scaled(MinerBehaviour):
     def __init__(self, factor: float = 10.0) -> None:
         self.factor = factor
 
-    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
-        return [t * self.factor for t in delta]
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        return None if outcome.delta is None else [t * self.factor for t in outcome.delta]
 
 
 class Stale(MinerBehaviour):
@@ -97,19 +105,26 @@ class Stale(MinerBehaviour):
     def __init__(self, lag: int = 2) -> None:
         self._history: deque[Tensors] = deque(maxlen=lag + 1)
 
-    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
-        self._history.append([t.clone() for t in delta])
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        if outcome.delta is None:
+            return None
+        self._history.append([t.clone() for t in outcome.delta])
         return self._history[0]
 
 
 class Overfitter(MinerBehaviour):
-    """Trains on one fixed batch of its round-0 assignment, every step of every round."""
+    """Trains on one fixed batch — the first of its first round's assignment — every step of every round."""
 
     name = "overfitter"
 
-    def configure(self, peer: DiLoCoPeer) -> None:
-        batch = peer.assigned_windows(0)[: peer.spec.batch_size]
-        peer.window_selector = lambda round: batch * peer.spec.inner_steps
+    def __init__(self) -> None:
+        self._batch: tuple[int, ...] | None = None
+
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        if self._batch is None:
+            batch_size = len(plan.windows) // max(plan.max_steps, 1)
+            self._batch = plan.windows[:batch_size]
+        return replace(plan, windows=self._batch * plan.max_steps)
 
 
 class Copycat(MinerBehaviour):
@@ -121,11 +136,13 @@ class Copycat(MinerBehaviour):
         self.noise_scale = noise_scale
         self._generator = torch.Generator().manual_seed(seed)
 
-    def configure(self, peer: DiLoCoPeer) -> None:
-        peer.max_inner_steps = 0
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        return _trains_nothing(plan)
 
-    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
-        source = averaged if averaged is not None else delta
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        source = outcome.averaged if outcome.averaged is not None else outcome.delta
+        if source is None:
+            return None
         return [t + self.noise_scale * t.std().nan_to_num(0.0) * torch.randn(t.shape, generator=self._generator)
                 for t in source]
 

@@ -16,22 +16,20 @@ the last checkpoint stays intact, and the publication server and hivemind host a
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from template.base.behaviours import MinerBehaviour
-from template.base.neuron import NeuronContext, RoundClock, StopFlag
+from template.base.config import NeuronConfig
+from template.base.neuron import NeuronContext, StopFlag
 from template.base.telemetry import Telemetry
 from template.p2p.identity import PeerDirectory
 from template.p2p.publication import AuthDecision, PublicationServer, permit_holders
-from template.training.cli import averaging_config_from, run_spec_from
-from template.training.data import build_corpus, load_tokenizer
-from template.training.diloco import DiLoCoPeer, Progress, RoundReport
+from template.training.diloco import DiLoCoPeer
 from template.training.distributed import NodeGroup
+from template.training.round import Progress, RoundOutcome
 
 log = logging.getLogger(__name__)
 
@@ -42,41 +40,36 @@ DIRECTORY_REFRESH_S = 1.0
 class Miner:
     """One miner node. ``ctx`` (chain, wallet, hivemind host) exists on the leader rank only."""
 
-    def __init__(self, ctx: NeuronContext | None, args: argparse.Namespace, behaviour: MinerBehaviour, *,
-                 hotkey: str, state: Path, node: NodeGroup, stop: StopFlag, device: str) -> None:
+    def __init__(self, ctx: NeuronContext | None, config: NeuronConfig, behaviour: MinerBehaviour, *,
+                 hotkey: str, node: NodeGroup, stop: StopFlag, device: str) -> None:
         self.ctx = ctx
-        self.args = args
+        self.config = config
         self.behaviour = behaviour
         self.node = node
         self.stop = stop
-        spec = run_spec_from(args)
-        tokenizer = load_tokenizer(args.run_tokenizer)
-        corpus = build_corpus(args.run_data, tokenizer, spec.seq_len, text_column=args.run_text_column,
-                              max_tokens=args.run_max_tokens, cache_dir=state / "cache" if node.is_leader else None)
+        spec = config.run
+        tokenizer, corpus = config.data.load(spec.seq_len, config.state_dir / "cache" if node.is_leader else None)
         self._round_end = 0.0
         self._directory: PeerDirectory | None = None
         averaging = None
         if ctx is not None:
-            self.clock = RoundClock(ctx.chain, args.neuron_blocks_per_round, args.neuron_allreduce_fraction)
             self._directory, self._directory_at = ctx.settled_directory(), time.monotonic()
-            # Validators join the all-reduce as auxiliary peers: the group must have room for every neuron.
-            averaging = self.clock.fit_averaging(averaging_config_from(args, max(2, len(self._directory))))
+            averaging = ctx.averaging_config(len(self._directory))
         self.peer = DiLoCoPeer(
             spec, corpus, tokenizer.vocab_size, peer_key=hotkey, dht=ctx.dht if ctx else None,
             averaging=averaging, device=device, node=node, on_progress=self._progress,
-            checkpoint_dir=state / "checkpoints",  # every rank reads it at start; the leader alone writes it
+            checkpoint_dir=config.state_dir / "checkpoints",  # every rank reads it at start; the leader alone writes it
         )
-        behaviour.configure(self.peer)
         self.names = [name for name, _ in self.peer.model.named_parameters()]
         self.server = self.p2p = None
         self.telemetry = Telemetry(None)
         if ctx is not None:
             self._permit_holders = permit_holders(lambda: self._directory)
             self.p2p = ctx.runner.run(ctx.dht.replicate_p2p())
-            self.server = PublicationServer(self.p2p, netuid=ctx.chain_args.netuid, wallet=ctx.wallet,
+            self.server = PublicationServer(self.p2p, netuid=ctx.netuid, wallet=ctx.wallet,
                                             authorize=self._authorize)
             ctx.runner.run(self.server.start())
-            self.telemetry = Telemetry.open(args, role="miner", name=f"miner-uid{ctx.uid}",
+            self.telemetry = Telemetry.open(config.wandb, role="miner", name=f"miner-uid{ctx.uid}",
                                             directory=ctx.state_dir, config=dict(asdict(spec), uid=ctx.uid,
                                                                                  hotkey=ctx.hotkey,
                                                                                  behaviour=behaviour.name))
@@ -88,26 +81,26 @@ class Miner:
         source = self.peer.restore(peer_timeout_s=5.0)  # every rank: the leader's state reaches all of them
         target = 0
         if self.ctx is not None:
-            now = self.clock.now()
+            now = self.ctx.clock.now()
             log.info("miner uid %d (%s, behaviour %s, %d rank(s)) ready: state from %s; chain round %d",
                      self.ctx.uid, self.ctx.hotkey, self.behaviour.name, self.node.world, source, now.round)
             self.ctx.emit("ready", uid=self.ctx.uid, hotkey=self.ctx.hotkey, restored=source, chain_round=now.round,
                           peer_id=str(self.ctx.dht.peer_id), ranks=self.node.world)
             target = now.round + 1  # start at a round boundary, with the whole round ahead
         done = 0
-        max_rounds = self.args.neuron_max_rounds
+        max_rounds = self.config.neuron.max_rounds
         while True:
             decision = self._next_round(target, done, max_rounds)
             go, round, train_until_ms, finish_by_ms = self.node.broadcast_ints(decision)
             if not go:
                 break
-            self.peer.skip_to(round)
-            report = self.peer.run_round(train_until=train_until_ms / 1000, finish_by=finish_by_ms / 1000)
+            plan = self.peer.plan(round, train_until=train_until_ms / 1000, finish_by=finish_by_ms / 1000)
+            outcome = self.peer.run_round(self.behaviour.plan(plan))
             if self.ctx is not None:
-                self._publish(report)
+                self._publish(outcome)
                 self._refresh_directory()  # who may fetch, and who to average with, as of this round
                 self.ctx.join_peers(self._directory)
-                self._report(report)
+                self._report(outcome)
             target = round + 1
             done += 1
         return done
@@ -118,12 +111,12 @@ class Miner:
             return [0, 0, 0, 0]
         if self.stop.is_set() or (max_rounds and done >= max_rounds):
             return [0, 0, 0, 0]
-        round_timeout = 4 * self.clock.blocks_per_round * self.clock.seconds_per_block + 60
-        now = self.clock.wait_for_round(target, self.stop, round_timeout)
+        clock = self.ctx.clock
+        now = clock.wait_for_round(target, self.stop, clock.round_timeout_s)
         if now is None:
             return [0, 0, 0, 0]
         self._round_end = now.round_end
-        train_until, finish_by = self.clock.phases(now, self.peer.averaging_config.matchmaking_time)
+        train_until, finish_by = clock.phases(now, self.peer.averaging_config.matchmaking_time)
         return [1, now.round, int(train_until * 1000), int(finish_by * 1000)]
 
     def _refresh_directory(self) -> None:
@@ -139,11 +132,11 @@ class Miner:
             decision = self._permit_holders(peer_id)
         return decision
 
-    def _publish(self, report: RoundReport) -> None:
-        delta = self.peer.last_delta
-        if delta is None:
+    def _publish(self, outcome: RoundOutcome) -> None:
+        tensors = self.behaviour.publication(outcome)
+        if tensors is None:
             return
-        tensors = self.behaviour.submission(report.round, delta, self.peer.last_averaged)
+        report = outcome.report
         self.server.publish(
             round=report.round, base_theta_hash=report.base_theta_hash, tokens=report.tokens,
             inner_steps=report.inner_steps, loss=report.train_loss if report.train_loss is not None else 0.0,
@@ -158,7 +151,8 @@ class Miner:
               f"{progress.tokens_per_s:.0f} tok/s, round ends in {left:.0f}s, peers {peers}",
               end="", file=sys.stderr, flush=True)
 
-    def _report(self, report: RoundReport) -> None:
+    def _report(self, outcome: RoundOutcome) -> None:
+        report = outcome.report
         fields = asdict(report)
         self.ctx.emit("round", uid=self.ctx.uid, behaviour=self.behaviour.name, **fields)
         self.telemetry.log(fields, step=report.round)

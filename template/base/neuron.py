@@ -13,7 +13,6 @@ the loops check between steps, so a neuron leaves its round cleanly and closes i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -31,50 +30,18 @@ import bittensor as bt
 import hivemind
 import torch
 
+from template.base.config import NeuronConfig
 from template.chain.client import CHAIN_UNREACHABLE, ChainClient, NetworkConfigError, NotRegisteredError
 from template.chain.wallets import open_wallet
-from template.config import ChainArgs, add_chain_args, chain_args_from
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
-from template.p2p.identity import PeerDirectory, commit_peer_id, peer_directory
+from template.p2p.identity import PeerDirectory, commitment_value, peer_directory
 from template.training.averaging import AveragingConfig
 from template.training.checkpoint import CheckpointError
-from template.training.diloco import RunMismatchError
+from template.training.cli import averaging_config
+from template.training.spec import RunMismatchError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-DEFAULT_ALLREDUCE_FRACTION = 0.2
-
-
-def add_neuron_args(parser: argparse.ArgumentParser) -> None:
-    """Chain, wallet, axon and neuron flags (bittensor style)."""
-    add_chain_args(parser)
-    axon = parser.add_argument_group("axon (this neuron's hivemind host)")
-    axon.add_argument("--axon.ip", dest="axon_ip", default="127.0.0.1",
-                      help="address the host listens on (0.0.0.0 on a server; default %(default)s)")
-    axon.add_argument("--axon.port", dest="axon_port", type=int, default=0,
-                      help="TCP port to listen on; open it in your firewall (0 = any free port)")
-    axon.add_argument("--axon.external_ip", dest="axon_external_ip", default=None,
-                      help="public IP that peers dial, served on chain (default: --axon.ip)")
-    neuron = parser.add_argument_group("neuron")
-    neuron.add_argument("--neuron.device", dest="neuron_device", default="cpu", help="cpu, cuda or cuda:N")
-    neuron.add_argument("--neuron.full_path", dest="neuron_full_path", default=None,
-                        help="state directory (checkpoints, scores); default ~/.diloco/<wallet>/<hotkey>/netuid<N>")
-    neuron.add_argument("--neuron.blocks_per_round", dest="neuron_blocks_per_round", type=int, default=25,
-                        help="chain blocks per DiLoCo round (every neuron of the subnet must agree)")
-    neuron.add_argument("--neuron.allreduce_fraction", dest="neuron_allreduce_fraction", type=float,
-                        default=DEFAULT_ALLREDUCE_FRACTION,
-                        help="share of a round kept for the all-reduce on each side of the round's last block: "
-                             "training stops that long (plus the matchmaking time) before it, and the all-reduce may "
-                             "run that long past it (default %(default)s)")
-    neuron.add_argument("--neuron.max_rounds", dest="neuron_max_rounds", type=int, default=0,
-                        help="stop after this many rounds (0 = run until stopped)")
-    neuron.add_argument("--neuron.events_file", dest="neuron_events_file", default=None,
-                        help="append one JSON line per event (ready, round, ...) to this file, for tools and tests")
-    neuron.add_argument("--neuron.torch_threads", dest="neuron_torch_threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--logging.debug", dest="logging_debug", action="store_true", help="debug logging")
-
-
 # Failures an operator can fix (flags, wallet, registration, data, network): one line and exit code 2, no traceback.
 SETUP_ERRORS: tuple[type[BaseException], ...] = (NotRegisteredError, NetworkConfigError, DHTStartError,
                                                   RunMismatchError, FileNotFoundError, ValueError)
@@ -95,24 +62,17 @@ def fatal_error(err: BaseException, network: str) -> int:
     return 2
 
 
-def prepare_process(args: argparse.Namespace) -> StopFlag:
+def prepare_process(config: NeuronConfig) -> StopFlag:
     """What every neuron process does first: logging (hivemind's chatter from warnings up), torch's thread count,
     and a stop flag that SIGINT/SIGTERM set."""
-    logging.basicConfig(level=logging.DEBUG if args.logging_debug else logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=logging.DEBUG if config.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
-    if args.neuron_torch_threads:
-        torch.set_num_threads(args.neuron_torch_threads)
+    if config.neuron.torch_threads:
+        torch.set_num_threads(config.neuron.torch_threads)
     stop = StopFlag()
     stop.install()
     return stop
-
-
-def state_dir(args: argparse.Namespace, chain_args: ChainArgs) -> Path:
-    if args.neuron_full_path:
-        return Path(args.neuron_full_path).expanduser()
-    wallet = chain_args.wallet
-    return Path("~/.diloco").expanduser() / wallet.name / wallet.hotkey / f"netuid{chain_args.netuid}"
 
 
 class StopFlag:
@@ -180,8 +140,7 @@ def allreduce_grace(round_s: float, allreduce_fraction: float) -> float:
 class RoundClock:
     """Rounds from chain blocks: round r spans blocks [r·B, (r+1)·B)."""
 
-    def __init__(self, chain: ChainClient, blocks_per_round: int,
-                 allreduce_fraction: float = DEFAULT_ALLREDUCE_FRACTION) -> None:
+    def __init__(self, chain: ChainClient, blocks_per_round: int, allreduce_fraction: float) -> None:
         if blocks_per_round < 2:
             raise ValueError("--neuron.blocks_per_round must be at least 2")
         if not 0 <= allreduce_fraction < 0.5:
@@ -189,7 +148,7 @@ class RoundClock:
         self.chain = chain
         self.blocks_per_round = blocks_per_round
         self.allreduce_fraction = allreduce_fraction
-        self.seconds_per_block = float(chain.subtensor.block_time())
+        self.seconds_per_block = chain.block_time()
 
     def phases(self, now: RoundTime, matchmaking_time: float) -> tuple[float, float]:
         """(train_until, finish_by) of the round, as time.time() values: every neuron derives the same ones.
@@ -200,15 +159,15 @@ class RoundClock:
         grace = self._grace()
         return now.round_end - matchmaking_time - grace, now.round_end + grace
 
-    def fit_averaging(self, config: AveragingConfig) -> AveragingConfig:
-        """The all-reduce's own timeouts cut to the round's all-reduce phase (2 × grace).
+    @property
+    def allreduce_phase_s(self) -> float:
+        """How long a round's all-reduce may take: ``grace`` on each side of the round's last block."""
+        return 2 * self._grace()
 
-        An all-reduce that outlives its round keeps the averager busy into the next one, whose all-reduce then fails
-        too: on a slow machine one late round would turn into a cascade of failed rounds.
-        """
-        window = 2 * self._grace()
-        return dataclasses.replace(config, allreduce_timeout=min(config.allreduce_timeout, window),
-                                   next_chunk_timeout=min(config.next_chunk_timeout, window / 2))
+    @property
+    def round_timeout_s(self) -> float:
+        """How long to wait for the next round before giving up on the chain (four rounds and a minute)."""
+        return 4 * self.blocks_per_round * self.seconds_per_block + 60
 
     def _grace(self) -> float:
         return allreduce_grace(self.blocks_per_round * self.seconds_per_block, self.allreduce_fraction)
@@ -235,19 +194,33 @@ class RoundClock:
 class NeuronContext:
     """A started neuron: everything its role-specific loop needs."""
 
-    args: argparse.Namespace
-    chain_args: ChainArgs
+    config: NeuronConfig
     wallet: bt.Wallet
     chain: ChainClient
     uid: int
     dht: hivemind.DHT
     runner: AsyncRunner
-    state_dir: Path
+    clock: RoundClock
     stop: StopFlag
 
     @property
     def hotkey(self) -> str:
         return self.wallet.hotkey.ss58_address
+
+    @property
+    def netuid(self) -> int:
+        return self.config.chain.netuid
+
+    @property
+    def state_dir(self) -> Path:
+        return self.config.state_dir
+
+    def averaging_config(self, expected_peers: int, *, auxiliary: bool = False) -> AveragingConfig:
+        """The all-reduce settings of this neuron's rounds: groups sized for ``expected_peers`` neurons (validators
+        join as auxiliary peers, so the group must have room for every neuron), timeouts cut to the round's
+        all-reduce phase."""
+        return averaging_config(self.config.averaging, max(2, expected_peers),
+                                phase_s=self.clock.allreduce_phase_s, auxiliary=auxiliary)
 
     def directory(self) -> PeerDirectory:
         return peer_directory(self.chain.metagraph())
@@ -273,7 +246,7 @@ class NeuronContext:
 
     def emit(self, event: str, **fields: Any) -> None:
         """One JSON line in ``--neuron.events_file`` (nothing without it)."""
-        path = self.args.neuron_events_file
+        path = self.config.neuron.events_file
         if path:
             with open(path, "a") as f:
                 f.write(json.dumps(dict(event=event, time=time.time(), **fields)) + "\n")
@@ -284,19 +257,21 @@ class NeuronContext:
         self.chain.close()
 
 
-def start_neuron(args: argparse.Namespace, stop: StopFlag) -> NeuronContext:
+def start_neuron(config: NeuronConfig, stop: StopFlag) -> NeuronContext:
     """Everything before the role's loop (see the module docstring); raises NotRegisteredError, NetworkConfigError."""
-    chain_args = chain_args_from(args)
-    wallet = open_wallet(chain_args.wallet.name, chain_args.wallet.hotkey, chain_args.wallet.path)
-    chain = ChainClient.connect(chain_args.subtensor.network, chain_args.netuid)
+    wallet_config = config.chain.wallet
+    wallet = open_wallet(wallet_config.name, wallet_config.hotkey, wallet_config.path)
+    chain = ChainClient.connect(config.chain.subtensor.network, config.chain.netuid)
+    clock = RoundClock(chain, config.neuron.blocks_per_round, config.neuron.allreduce_fraction)
     graph = chain.metagraph()
     uid = chain.require_uid(wallet.hotkey.ss58_address, graph)
     directory = peer_directory(graph)
     bootstrap = directory.bootstrap_maddrs()
-    log.info("uid %d on netuid %d; bootstrapping from %d peers", uid, chain_args.netuid, len(bootstrap))
-    external_ip = args.axon_external_ip or args.axon_ip
-    announce = [f"/ip4/{external_ip}/tcp/{args.axon_port}"] if args.axon_port and args.axon_external_ip else []
-    host = DHTConfig(host_maddrs=[f"/ip4/{args.axon_ip}/tcp/{args.axon_port}"], announce_maddrs=announce)
+    log.info("uid %d on netuid %d; bootstrapping from %d peers", uid, config.chain.netuid, len(bootstrap))
+    axon = config.axon
+    external_ip = axon.external_ip or axon.ip
+    announce = [f"/ip4/{external_ip}/tcp/{axon.port}"] if axon.port and axon.external_ip else []
+    host = DHTConfig(host_maddrs=[f"/ip4/{axon.ip}/tcp/{axon.port}"], announce_maddrs=announce)
     try:
         dht = start_dht(dataclasses.replace(host, initial_peers=bootstrap))
     except DHTStartError as err:
@@ -310,14 +285,13 @@ def start_neuron(args: argparse.Namespace, stop: StopFlag) -> NeuronContext:
     try:
         port = int(visible_maddrs(dht)[0].split("/tcp/")[1].split("/")[0])
         serve_axon_once(chain, wallet, graph, uid, external_ip, port)
-        commit_peer_id(chain.subtensor, wallet, chain_args.netuid, str(dht.peer_id))
+        chain.set_commitment(wallet, commitment_value(str(dht.peer_id)))
     except BaseException:
         dht.shutdown()
         runner.close()
         raise
-    directory_path = state_dir(args, chain_args)
-    directory_path.mkdir(parents=True, exist_ok=True)
-    return NeuronContext(args, chain_args, wallet, chain, uid, dht, runner, directory_path, stop)
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    return NeuronContext(config, wallet, chain, uid, dht, runner, clock, stop)
 
 
 def serve_axon_once(chain: ChainClient, wallet: bt.Wallet, graph: bt.Metagraph, uid: int, ip: str, port: int) -> None:

@@ -9,17 +9,31 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class WandbConfig:
+    """wandb logging (``--wandb.*``)."""
+
+    off: bool = False  # do not log to wandb
+    project: str = "diloco-subnet"
+    mode: str = "offline"  # offline writes runs under the state directory (upload with `wandb sync`); or online
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WandbConfig:
+        return cls(off=args.wandb_off, project=args.wandb_project, mode=args.wandb_mode)
+
+
 def add_wandb_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("wandb")
     group.add_argument("--wandb.off", dest="wandb_off", action="store_true", help="do not log to wandb")
-    group.add_argument("--wandb.project", dest="wandb_project", default="diloco-subnet", help="wandb project")
-    group.add_argument("--wandb.mode", dest="wandb_mode", default="offline", choices=["offline", "online"],
+    group.add_argument("--wandb.project", dest="wandb_project", default=WandbConfig.project, help="wandb project")
+    group.add_argument("--wandb.mode", dest="wandb_mode", default=WandbConfig.mode, choices=["offline", "online"],
                        help="offline (default) writes runs under the state directory; upload them with `wandb sync`")
 
 
@@ -30,14 +44,14 @@ class Telemetry:
         self._run = run
 
     @classmethod
-    def open(cls, args: argparse.Namespace, *, role: str, name: str, directory: Path, config: dict) -> Telemetry:
-        if args.wandb_off:
+    def open(cls, settings: WandbConfig, *, role: str, name: str, directory: Path, config: dict) -> Telemetry:
+        if settings.off:
             return cls(None)
         try:
             import wandb
 
             directory.mkdir(parents=True, exist_ok=True)
-            run = wandb.init(project=args.wandb_project, mode=args.wandb_mode, dir=str(directory), name=name,
+            run = wandb.init(project=settings.project, mode=settings.mode, dir=str(directory), name=name,
                              group=role, config=config, settings=wandb.Settings(silent=True))
             return cls(run)
         except Exception as err:  # wandb must never take a neuron down

@@ -23,7 +23,6 @@ round and read back on start, so a validator killed and restarted keeps its scor
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -38,17 +37,16 @@ import bittensor as bt
 import torch
 
 import template
-from template.base.neuron import NeuronContext, RoundClock
+from template.base.neuron import NeuronContext
 from template.base.telemetry import Telemetry
 from template.p2p.identity import PeerDirectory
 from template.p2p.publication import FetchError, NotFoundError, ProtocolError, Publication, fetch_publication
 from template.protocol import PROTOCOL_VERSION, FetchRequest
 from template.training.averaging import AveragingResult
-from template.training.cli import averaging_config_from, run_spec_from
-from template.training.data import build_corpus, load_tokenizer
 from template.training.diloco import DiLoCoPeer
+from template.training.round import RoundOutcome
 from template.validation.integrity import IntegrityConfig
-from template.validation.rewards import RewardConfig, ScoreBook
+from template.validation.rewards import ScoreBook
 from template.validation.round import Candidate, RoundContext, RoundScorer, Verdict
 from template.validation.scoring import LossProbe, ScoringConfig, WindowSampler
 
@@ -56,25 +54,6 @@ log = logging.getLogger(__name__)
 
 SCORING_MARGIN_S = 1.0  # stop scoring this long before the round's all-reduce matchmaking starts
 FETCH_RETRY_S = 2.0  # a miner that has not published yet is asked again after this long (its rate limit!)
-
-
-def add_validator_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("validator")
-    group.add_argument("--neuron.allow_no_permit", dest="neuron_allow_no_permit", action="store_true",
-                       help="run even without a validator permit (weights from such a validator do not count)")
-    group.add_argument("--validator.eval_windows", dest="validator_eval_windows", type=int,
-                       default=ScoringConfig.eval_windows,
-                       help="windows of assigned and of other data evaluated per miner (default %(default)s)")
-    group.add_argument("--validator.max_miners", dest="validator_max_miners", type=int, default=0,
-                       help="miners scored per round, least recently scored first (0 = all; default %(default)s)")
-    group.add_argument("--validator.fetch_timeout", dest="validator_fetch_timeout", type=float, default=20.0,
-                       help="seconds one publication fetch may take (default %(default)s)")
-    group.add_argument("--validator.ema_alpha", dest="validator_ema_alpha", type=float,
-                       default=RewardConfig.ema_alpha, help="weight of the newest round in the score average")
-    group.add_argument("--validator.power", dest="validator_power", type=float, default=RewardConfig.power,
-                       help="weights are score ** power, normalized (default %(default)s)")
-    group.add_argument("--validator.weights_every", dest="validator_weights_every", type=int, default=1,
-                       help="set weights every N scored rounds (default %(default)s)")
 
 
 @dataclass
@@ -88,39 +67,42 @@ class PendingRound:
     result: AveragingResult | None
     directory: PeerDirectory
 
+    @classmethod
+    def of(cls, outcome: RoundOutcome, directory: PeerDirectory) -> PendingRound:
+        """What the validator keeps of its (auxiliary) round: θ_r, and Δ̄ with the group only when it took the
+        outer step with them (a failed all-reduce is scored without Δ̄ and participation)."""
+        ok = outcome.report.allreduce_ok
+        return cls(outcome.round, outcome.base, outcome.report.base_theta_hash, outcome.averaged,
+                   outcome.averaging if ok else None, directory)
+
 
 class Validator:
-    def __init__(self, ctx: NeuronContext, args: argparse.Namespace, device: str) -> None:
+    def __init__(self, ctx: NeuronContext) -> None:
         self.ctx = ctx
-        self.args = args
+        self.config = ctx.config
+        self.settings = ctx.config.validator
         self.stop = ctx.stop
-        spec = run_spec_from(args)
-        tokenizer = load_tokenizer(args.run_tokenizer)
-        corpus = build_corpus(args.run_data, tokenizer, spec.seq_len, text_column=args.run_text_column,
-                              max_tokens=args.run_max_tokens, cache_dir=ctx.state_dir / "cache")
-        self.clock = RoundClock(ctx.chain, args.neuron_blocks_per_round, args.neuron_allreduce_fraction)
+        spec = self.config.run
+        tokenizer, corpus = self.config.data.load(spec.seq_len, ctx.state_dir / "cache")
         self.directory = ctx.settled_directory()
-        averaging = self.clock.fit_averaging(averaging_config_from(args, max(2, len(self.directory))))
-        averaging = dataclasses.replace(averaging, auxiliary=True)
         self.peer = DiLoCoPeer(spec, corpus, tokenizer.vocab_size, peer_key=ctx.hotkey, dht=ctx.dht,
-                               averaging=averaging, device=device, checkpoint_dir=ctx.state_dir / "checkpoints")
-        self.peer.max_inner_steps = 0  # an auxiliary peer: receives Δ̄, contributes nothing
-        self.peer.keep_base = True
+                               averaging=ctx.averaging_config(len(self.directory), auxiliary=True),
+                               device=self.config.neuron.device, checkpoint_dir=ctx.state_dir / "checkpoints")
         self.layout = [(name, tuple(p.shape)) for name, p in self.peer.model.named_parameters()]
         secret = load_or_create_secret(ctx.state_dir / "validator_secret.json")
         self.scorer = RoundScorer(
-            LossProbe(self.peer.model, corpus, spec.batch_size, device),  # scratch: run_round reloads θ each round
-            WindowSampler(self.peer.assignment, spec.inner_steps * spec.batch_size, secret),
+            LossProbe(self.peer.model, corpus, spec.batch_size, self.config.neuron.device),  # scratch: the round
+            WindowSampler(self.peer.assignment, spec.inner_steps * spec.batch_size, secret),  # reloads θ each round
             [torch.Size(shape) for _, shape in self.layout],
-            integrity=IntegrityConfig(), scoring=ScoringConfig(eval_windows=args.validator_eval_windows),
+            integrity=IntegrityConfig(), scoring=ScoringConfig(eval_windows=self.settings.eval_windows),
             sketch_seed=secret,
         )
         self.book_path = ctx.state_dir / "scores.json"
         self.history_path = ctx.state_dir / "sketches.safetensors"
-        self.book = ScoreBook.load(self.book_path, RewardConfig(args.validator_ema_alpha, args.validator_power))
+        self.book = ScoreBook.load(self.book_path, self.settings.rewards)
         self.scorer.load_history(self.history_path)
         self.p2p = ctx.runner.run(ctx.dht.replicate_p2p())
-        self.telemetry = Telemetry.open(args, role="validator", name=f"validator-uid{ctx.uid}",
+        self.telemetry = Telemetry.open(self.config.wandb, role="validator", name=f"validator-uid{ctx.uid}",
                                         directory=ctx.state_dir,
                                         config=dict(dataclasses.asdict(spec), uid=ctx.uid, hotkey=ctx.hotkey))
         self.rounds_scored = 0
@@ -131,26 +113,25 @@ class Validator:
         """Rounds until stopped or ``--neuron.max_rounds``; returns how many rounds ran."""
         self.ctx.join_peers(self.directory)
         source = self.peer.restore(peer_timeout_s=5.0)
-        now = self.clock.now()
+        clock = self.ctx.clock
+        now = clock.now()
         log.info("validator uid %d (%s) ready: state from %s, %d miners scored before, chain round %d",
                  self.ctx.uid, self.ctx.hotkey, source, len(self.book.miners), now.round)
         self.ctx.emit("ready", uid=self.ctx.uid, hotkey=self.ctx.hotkey, peer_id=str(self.ctx.dht.peer_id),
                       restored=source, chain_round=now.round, scores_restored=len(self.book.miners))
         target, done, pending = now.round + 1, 0, None
-        max_rounds = self.args.neuron_max_rounds
-        round_timeout = 4 * self.clock.blocks_per_round * self.clock.seconds_per_block + 60
+        max_rounds = self.config.neuron.max_rounds
         while not self.stop.is_set() and not (max_rounds and done >= max_rounds):
-            now = self.clock.wait_for_round(target, self.stop, round_timeout)
+            now = clock.wait_for_round(target, self.stop, clock.round_timeout_s)
             if now is None:
                 break
-            train_until, finish_by = self.clock.phases(now, self.peer.averaging_config.matchmaking_time)
+            train_until, finish_by = clock.phases(now, self.peer.averaging_config.matchmaking_time)
             if pending is not None:
                 self._score(pending, scoring_deadline=train_until - SCORING_MARGIN_S)
-            self.peer.skip_to(now.round)
-            report = self.peer.run_round(train_until=train_until, finish_by=finish_by)
-            pending = PendingRound(report.round, self.peer.last_base, report.base_theta_hash,
-                                   self.peer.last_averaged if report.allreduce_ok else None,
-                                   self.peer.last_result if report.allreduce_ok else None, self.directory)
+            plan = self.peer.plan(now.round, train_until=train_until, finish_by=finish_by).auxiliary()
+            outcome = self.peer.run_round(plan)
+            report = outcome.report
+            pending = PendingRound.of(outcome, self.directory)
             self.ctx.emit("synced", uid=self.ctx.uid, round=report.round, theta_hash=report.theta_hash,
                           heldout_loss=report.heldout_loss, allreduce_ok=report.allreduce_ok,
                           group_size=report.group_size, group_hotkeys=self._group_hotkeys(pending),
@@ -168,10 +149,10 @@ class Validator:
         # Every other neuron with a PeerID: a permit is no sign of a validator (miners that earn emission gain stake
         # and, on a small subnet, a permit); a validator publishes nothing and so scores 0.
         miners = {r.hotkey: r for r in directory if r.hotkey != self.ctx.hotkey}
-        chosen = self.book.choose(miners, pending.round, self.args.validator_max_miners)
+        chosen = self.book.choose(miners, pending.round, self.settings.max_miners)
         publications = self.ctx.runner.run(
             self._fetch_all([miners[h].peer_id for h in chosen], chosen, pending.round, scoring_deadline),
-            timeout=max(scoring_deadline - time.time(), 0.0) + self.args.validator_fetch_timeout + 5,
+            timeout=max(scoring_deadline - time.time(), 0.0) + self.settings.fetch_timeout + 5,
         )
         fetch_s = time.monotonic() - started
         participation = self._participation(pending)
@@ -191,7 +172,7 @@ class Validator:
                                         meta.published_at_block, participated=participated,
                                         share_of_average=share))
         context = RoundContext(pending.round, pending.theta, pending.theta_hash, pending.averaged,
-                               first_block=pending.round * self.clock.blocks_per_round, last_block=block)
+                               first_block=pending.round * self.ctx.clock.blocks_per_round, last_block=block)
         verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline)
         self.book.update(pending.round, {v.hotkey: v.score for v in verdicts}, {v.hotkey: v.reason for v in verdicts})
         self.book.forget_except(r.hotkey for r in directory)
@@ -199,20 +180,20 @@ class Validator:
         self.scorer.save_history(self.history_path)
         self.rounds_scored += 1
         self._report_scores(pending.round, verdicts, time.monotonic() - started, fetch_s)
-        if self.rounds_scored % max(1, self.args.validator_weights_every) == 0:
+        if self.rounds_scored % max(1, self.settings.weights_every) == 0:
             self._set_weights(pending.round, directory)
 
     async def _fetch_all(self, peer_ids: list[str], hotkeys: list[str], round: int,
                          deadline: float) -> dict[str, Publication | str]:
         """Every chosen miner's publication of ``round`` (or why not), fetched concurrently, polled until
         ``deadline`` while a miner has not published yet."""
-        request = FetchRequest(version=PROTOCOL_VERSION, netuid=self.ctx.chain_args.netuid, round=round)
+        request = FetchRequest(version=PROTOCOL_VERSION, netuid=self.ctx.netuid, round=round)
 
         async def one(peer_id: str, hotkey: str) -> Publication | str:
             while True:
                 try:
                     return await fetch_publication(self.p2p, peer_id, request, expected_hotkey=hotkey,
-                                                   timeout=self.args.validator_fetch_timeout,
+                                                   timeout=self.settings.fetch_timeout,
                                                    expected_layout=self.layout)
                 except NotFoundError as err:
                     if time.time() + FETCH_RETRY_S > deadline:

@@ -1,21 +1,23 @@
 """The flags that describe a DiLoCo run and its all-reduce, shared by every command that trains.
 
 The engine's peer command spells them ``--seq-len``; the neurons spell them bittensor-style, ``--run.seq_len``.
-Both build the same ``RunSpec`` / ``AveragingConfig`` from the same definitions, so a run configured for the engine
-and one configured for the subnet cannot silently differ.
+Both build the same ``RunSpec``, ``DataConfig`` and ``AveragingConfig`` from the same definitions, so a run configured
+for the engine and one configured for the subnet cannot silently differ.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from template.training.averaging import AveragingConfig
 from template.training.compression import CODEC_NAMES
-from template.training.diloco import RunSpec
+from template.training.data import DataConfig
 from template.training.inner import InnerConfig
 from template.training.model import MODEL_PRESETS
 from template.training.outer import OuterConfig
+from template.training.spec import RunSpec
 
 Spelling = Callable[[str, str], str]  # (group, name) -> flag; names read well in both spellings
 
@@ -84,17 +86,47 @@ def run_spec_from(args: argparse.Namespace) -> RunSpec:
     )
 
 
-def averaging_config_from(args: argparse.Namespace, expected_peers: int) -> AveragingConfig:
-    """Groups of up to ``expected_peers``, and at least a majority of them (two when two or three are expected).
+def data_config_from(args: argparse.Namespace) -> DataConfig:
+    return DataConfig(source=args.run_data, text_column=args.run_text_column, max_tokens=args.run_max_tokens,
+                      tokenizer=args.run_tokenizer)
 
-    A majority minimum means at most one group per round can succeed: two disjoint groups would average different
+
+@dataclass(frozen=True)
+class AveragingFlags:
+    """What the all-reduce flags say; :func:`averaging_config` turns them into the averager's configuration."""
+
+    compression: str = AveragingConfig.compression
+    matchmaking_time: float = AveragingConfig.matchmaking_time
+    allreduce_timeout: float = AveragingConfig.allreduce_timeout
+    next_chunk_timeout: float = AveragingConfig.next_chunk_timeout
+
+
+def averaging_flags_from(args: argparse.Namespace) -> AveragingFlags:
+    return AveragingFlags(compression=args.averaging_compression, matchmaking_time=args.averaging_matchmaking_time,
+                          allreduce_timeout=args.averaging_allreduce_timeout,
+                          next_chunk_timeout=args.averaging_next_chunk_timeout)
+
+
+def averaging_config(flags: AveragingFlags, expected_peers: int, *, phase_s: float | None = None,
+                     auxiliary: bool = False) -> AveragingConfig:
+    """The one place an :class:`AveragingConfig` is built: from the flags, the number of peers expected in a round,
+    the length of the round's all-reduce phase (chain-clocked neurons) and the role.
+
+    Groups hold up to ``expected_peers`` and at least a majority of them (two when two or three are expected): a
+    majority minimum means at most one group per round can succeed, since two disjoint groups would average different
     Δ̄s and split the peers into diverging models. When no majority gathers, every peer keeps θ_r.
+
+    ``phase_s`` cuts the all-reduce's own timeouts to the round's all-reduce phase: an all-reduce that outlives its
+    round keeps the averager busy into the next one, whose all-reduce then fails too, and on a slow machine one late
+    round would turn into a cascade of failed rounds. An ``auxiliary`` peer (a validator) receives Δ̄ and contributes
+    nothing.
     """
-    matchmaking = args.averaging_matchmaking_time
+    allreduce_timeout, next_chunk_timeout = flags.allreduce_timeout, flags.next_chunk_timeout
+    if phase_s is not None:
+        allreduce_timeout, next_chunk_timeout = min(allreduce_timeout, phase_s), min(next_chunk_timeout, phase_s / 2)
     return AveragingConfig(
-        compression=args.averaging_compression, matchmaking_time=matchmaking,
-        request_timeout=min(3.0, matchmaking / 2), allreduce_timeout=args.averaging_allreduce_timeout,
-        next_chunk_timeout=args.averaging_next_chunk_timeout,
-        target_group_size=max(expected_peers, 1),
-        min_group_size=max(min(expected_peers, 2), expected_peers // 2 + 1),
+        compression=flags.compression, matchmaking_time=flags.matchmaking_time,
+        request_timeout=min(3.0, flags.matchmaking_time / 2), allreduce_timeout=allreduce_timeout,
+        next_chunk_timeout=next_chunk_timeout, target_group_size=max(expected_peers, 1),
+        min_group_size=max(min(expected_peers, 2), expected_peers // 2 + 1), auxiliary=auxiliary,
     )

@@ -24,8 +24,14 @@ import torch
 
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
 from template.training.checkpoint import CheckpointError
-from template.training.cli import add_averaging_args, add_run_args, averaging_config_from, run_spec_from
-from template.training.data import build_corpus, load_tokenizer
+from template.training.cli import (
+    add_averaging_args,
+    add_run_args,
+    averaging_config,
+    averaging_flags_from,
+    data_config_from,
+    run_spec_from,
+)
 from template.training.diloco import DiLoCoPeer, RunMismatchError
 from template.training.distributed import NodeGroup, close_node_group, init_node_group
 
@@ -73,7 +79,8 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("hivemind", "template.training.averaging"):
+    for noisy in ("hivemind", "template.training.averaging", "template.training.checked_averager",
+                  "template.training.allreduce_runner", "template.training.part_reducer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)
     if args.torch_threads:
@@ -82,14 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     dht = peer = None
     try:
         spec = run_spec_from(args)
-        tokenizer = load_tokenizer(args.run_tokenizer)
-        corpus = build_corpus(args.run_data, tokenizer, spec.seq_len, text_column=args.run_text_column,
-                              max_tokens=args.run_max_tokens, cache_dir=args.cache_dir)
+        tokenizer, corpus = data_config_from(args).load(spec.seq_len, args.cache_dir)
         if node.is_leader:
             dht = start_dht(DHTConfig(host_maddrs=[args.host_maddr], initial_peers=list(args.initial_peers),
                                       announce_maddrs=[args.announce_maddr] if args.announce_maddr else []))
             emit(node, "listening", peer_key=args.peer_key, maddrs=visible_maddrs(dht))
-        averaging = averaging_config_from(args, args.expected_peers)
+        averaging = averaging_config(averaging_flags_from(args), args.expected_peers)
         peer = DiLoCoPeer(
             spec, corpus, tokenizer.vocab_size, peer_key=args.peer_key, dht=dht, averaging=averaging,
             device=args.device, checkpoint_dir=args.checkpoint_dir, node=node, heldout_batches=args.heldout_batches,
@@ -102,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
              round=peer.round, fingerprint=peer.fingerprint, params=sum(p.numel() for p in peer.model.parameters()),
              windows=corpus.num_windows)
         while peer.round < args.rounds:
-            report = peer.run_round()
-            emit(node, "round", peer_key=args.peer_key, **asdict(report))
+            outcome = peer.run_round(peer.plan())
+            emit(node, "round", peer_key=args.peer_key, **asdict(outcome.report))
         emit(node, "done", peer_key=args.peer_key, round=peer.round, theta_hash=peer.outer.theta_hash())
         return 0
     except KeyboardInterrupt:

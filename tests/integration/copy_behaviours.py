@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from template.base.behaviours import MinerBehaviour, Tensors
-from template.training.diloco import DiLoCoPeer
+from template.base.behaviours import MinerBehaviour
+from template.training.round import RoundOutcome, RoundPlan, Tensors
 
 LEAK_WAIT_S = 8.0
 
@@ -30,11 +31,14 @@ def _leak_path(round: int) -> Path:
 class LeakyHonest(MinerBehaviour):
     name = "honest"
 
-    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        delta = outcome.delta
+        if delta is None:
+            return None
         tensors = {str(i): t.contiguous().clone() for i, t in enumerate(delta)}
 
         def leak() -> None:
-            path = _leak_path(round)
+            path = _leak_path(outcome.round)
             tmp = path.with_name(path.name + ".tmp")
             save_file(tensors, str(tmp))
             os.replace(tmp, path)
@@ -47,11 +51,14 @@ class CopyLeaked(MinerBehaviour):
     name = "copy-leaked"
     noise_scale = 0.0
 
-    def configure(self, peer: DiLoCoPeer) -> None:
-        peer.max_inner_steps = 0
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        return replace(plan, max_steps=0)
 
-    def submission(self, round: int, delta: Tensors, averaged: Tensors | None) -> Tensors:
-        path = _leak_path(round)
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        delta = outcome.delta
+        if delta is None:
+            return None
+        path = _leak_path(outcome.round)
         deadline = time.monotonic() + LEAK_WAIT_S
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.1)

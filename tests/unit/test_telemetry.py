@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from template.base.telemetry import Telemetry, add_wandb_args
+from template.base.telemetry import Telemetry, WandbConfig, add_wandb_args
 
 
-def parse(*argv: str) -> argparse.Namespace:
+def parse(*argv: str) -> WandbConfig:
     parser = argparse.ArgumentParser()
     add_wandb_args(parser)
-    return parser.parse_args(argv)
+    return WandbConfig.from_args(parser.parse_args(argv))
 
 
 def test_offline_run_is_written_under_the_state_directory(tmp_path, monkeypatch):

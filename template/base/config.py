@@ -1,0 +1,201 @@
+"""One typed configuration for a neuron, built once from its command line: a tree of dataclasses.
+
+Each flag maps to one field, and each field says what it is (its ``help``, which ``--help`` prints too), in the spirit
+of torchtitan's job config. The spellings are the ones subnet operators already type in their pm2 scripts
+(``--netuid``, ``--wallet.name``, ``--subtensor.network``, ``--axon.port``, ``--neuron.*``, ``--run.*``,
+``--averaging.*``, ``--validator.*``, ``--miner.behaviour``, ``--wandb.*``, ``--logging.debug``), and stay so.
+The neuron entry points parse their flags with :func:`add_neuron_args` (+ :func:`add_miner_args` or
+:func:`add_validator_args`) and hand :meth:`NeuronConfig.from_args` to ``template.base``; nothing below the entry
+points reads the raw ``argparse`` namespace. The all-reduce settings are turned into an
+:class:`~template.training.averaging.AveragingConfig` in one place,
+:func:`template.training.cli.averaging_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from template.base.telemetry import WandbConfig, add_wandb_args
+from template.config import ChainArgs, add_chain_args, chain_args_from
+from template.training.cli import (
+    AveragingFlags,
+    add_averaging_args,
+    add_run_args,
+    averaging_flags_from,
+    data_config_from,
+    dotted,
+    run_spec_from,
+)
+from template.training.data import DataConfig
+from template.training.spec import RunSpec
+from template.validation.rewards import RewardConfig
+from template.validation.scoring import ScoringConfig
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    """A dataclass field whose ``help`` is its documentation and its ``--help`` line."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass(frozen=True)
+class AxonConfig:
+    """This neuron's hivemind host: where it listens and the address it serves on chain."""
+
+    ip: str = _help("address the host listens on (0.0.0.0 on a server)", default="127.0.0.1")
+    port: int = _help("TCP port to listen on; open it in your firewall (0 = any free port)", default=0)
+    external_ip: str | None = _help("public IP that peers dial, served on chain (default: --axon.ip)", default=None)
+
+
+DEFAULT_ALLREDUCE_FRACTION = 0.2
+
+
+@dataclass(frozen=True)
+class NeuronSettings:
+    """How this neuron runs on this machine, and the round clock every neuron of the subnet shares."""
+
+    device: str = _help("cpu, cuda or cuda:N", default="cpu")
+    full_path: str | None = _help(
+        "state directory (checkpoints, scores); default ~/.diloco/<wallet>/<hotkey>/netuid<N>", default=None)
+    blocks_per_round: int = _help("chain blocks per DiLoCo round (every neuron of the subnet must agree)", default=25)
+    allreduce_fraction: float = _help(
+        "share of a round kept for the all-reduce on each side of the round's last block: training stops that long "
+        "(plus the matchmaking time) before it, and the all-reduce may run that long past it",
+        default=DEFAULT_ALLREDUCE_FRACTION)
+    max_rounds: int = _help("stop after this many rounds (0 = run until stopped)", default=0)
+    events_file: str | None = _help("append one JSON line per event (ready, round, ...) to this file, for tools and "
+                                    "tests", default=None)
+    torch_threads: int | None = _help("CPU threads for torch (default: torch's choice)", default=None)
+
+
+@dataclass(frozen=True)
+class MinerSettings:
+    """What only a miner is told."""
+
+    behaviour: str = _help("what this miner trains and publishes: a built-in name or module:Class "
+                           "(see template/base/behaviours.py)", default="honest")
+
+
+@dataclass(frozen=True)
+class ValidatorSettings:
+    """What only a validator is told: how it scores, smooths and sets weights."""
+
+    allow_no_permit: bool = _help("run even without a validator permit (weights from such a validator do not count)",
+                                  default=False)
+    eval_windows: int = _help("windows of assigned and of other data evaluated per miner",
+                              default=ScoringConfig.eval_windows)
+    max_miners: int = _help("miners scored per round, least recently scored first (0 = all)", default=0)
+    fetch_timeout: float = _help("seconds one publication fetch may take", default=20.0)
+    ema_alpha: float = _help("weight of the newest round in the score average", default=RewardConfig.ema_alpha)
+    power: float = _help("weights are score ** power, normalized", default=RewardConfig.power)
+    weights_every: int = _help("set weights every N scored rounds", default=1)
+
+    @property
+    def rewards(self) -> RewardConfig:
+        return RewardConfig(self.ema_alpha, self.power)
+
+
+@dataclass(frozen=True)
+class NeuronConfig:
+    """Everything one neuron (miner or validator) is configured with."""
+
+    chain: ChainArgs
+    axon: AxonConfig
+    neuron: NeuronSettings
+    run: RunSpec
+    data: DataConfig
+    averaging: AveragingFlags
+    wandb: WandbConfig
+    debug: bool = False
+    miner: MinerSettings | None = None
+    validator: ValidatorSettings | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> NeuronConfig:
+        """The tree of a parsed command line (miner or validator: whichever groups the parser had)."""
+        return cls(
+            chain=chain_args_from(args), axon=_section(AxonConfig, args, "axon"),
+            neuron=_section(NeuronSettings, args, "neuron"), run=run_spec_from(args), data=data_config_from(args),
+            averaging=averaging_flags_from(args), wandb=WandbConfig.from_args(args),
+            debug=args.logging_debug,
+            miner=_section(MinerSettings, args, "miner") if hasattr(args, "miner_behaviour") else None,
+            validator=_validator_section(args) if hasattr(args, "validator_eval_windows") else None,
+        )
+
+    @property
+    def state_dir(self) -> Path:
+        """Where this neuron keeps its checkpoints, scores and caches."""
+        if self.neuron.full_path:
+            return Path(self.neuron.full_path).expanduser()
+        wallet = self.chain.wallet
+        return Path("~/.diloco").expanduser() / wallet.name / wallet.hotkey / f"netuid{self.chain.netuid}"
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+
+def _field(cls: type, name: str):
+    return next(f for f in fields(cls) if f.name == name)
+
+
+def _add(group: argparse._ArgumentGroup, flag: str, cls: type, name: str, **kwargs: Any) -> None:
+    """``flag`` for field ``cls.name``: its dest is the flag's name with dots as underscores, its default and help
+    come from the field."""
+    spec = _field(cls, name)
+    default = spec.default if spec.default is not MISSING else None
+    if isinstance(default, bool) and "action" not in kwargs:
+        kwargs["action"] = "store_true"
+    suffix = "" if default is None or "action" in kwargs else " (default %(default)s)"
+    group.add_argument(flag, dest=flag[2:].replace(".", "_"), default=default, help=spec.metadata["help"] + suffix,
+                       **kwargs)
+
+
+def _section(cls: type, args: argparse.Namespace, prefix: str):
+    return cls(**{f.name: getattr(args, f"{prefix}_{f.name}") for f in fields(cls)})
+
+
+def _validator_section(args: argparse.Namespace) -> ValidatorSettings:
+    values = {f.name: getattr(args, f"validator_{f.name}") for f in fields(ValidatorSettings)
+              if f.name != "allow_no_permit"}
+    return ValidatorSettings(allow_no_permit=args.neuron_allow_no_permit, **values)
+
+
+def add_neuron_args(parser: argparse.ArgumentParser) -> None:
+    """Chain, wallet, axon, neuron, run, all-reduce and wandb flags (bittensor style): every neuron has these."""
+    add_chain_args(parser)
+    axon = parser.add_argument_group("axon (this neuron's hivemind host)")
+    _add(axon, "--axon.ip", AxonConfig, "ip")
+    _add(axon, "--axon.port", AxonConfig, "port", type=int)
+    _add(axon, "--axon.external_ip", AxonConfig, "external_ip")
+    neuron = parser.add_argument_group("neuron")
+    _add(neuron, "--neuron.device", NeuronSettings, "device")
+    _add(neuron, "--neuron.full_path", NeuronSettings, "full_path")
+    _add(neuron, "--neuron.blocks_per_round", NeuronSettings, "blocks_per_round", type=int)
+    _add(neuron, "--neuron.allreduce_fraction", NeuronSettings, "allreduce_fraction", type=float)
+    _add(neuron, "--neuron.max_rounds", NeuronSettings, "max_rounds", type=int)
+    _add(neuron, "--neuron.events_file", NeuronSettings, "events_file")
+    _add(neuron, "--neuron.torch_threads", NeuronSettings, "torch_threads", type=int)
+    parser.add_argument("--logging.debug", dest="logging_debug", action="store_true", help="debug logging")
+    add_wandb_args(parser)
+    add_run_args(parser, dotted)
+    add_averaging_args(parser, dotted)
+
+
+def add_miner_args(parser: argparse.ArgumentParser, behaviours: list[str]) -> None:
+    group = parser.add_argument_group("miner")
+    spec = _field(MinerSettings, "behaviour")
+    group.add_argument("--miner.behaviour", dest="miner_behaviour", default=spec.default,
+                       help=spec.metadata["help"].replace("a built-in name", ", ".join(behaviours)))
+
+
+def add_validator_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("validator")
+    _add(group, "--neuron.allow_no_permit", ValidatorSettings, "allow_no_permit")
+    _add(group, "--validator.eval_windows", ValidatorSettings, "eval_windows", type=int)
+    _add(group, "--validator.max_miners", ValidatorSettings, "max_miners", type=int)
+    _add(group, "--validator.fetch_timeout", ValidatorSettings, "fetch_timeout", type=float)
+    _add(group, "--validator.ema_alpha", ValidatorSettings, "ema_alpha", type=float)
+    _add(group, "--validator.power", ValidatorSettings, "power", type=float)
+    _add(group, "--validator.weights_every", ValidatorSettings, "weights_every", type=int)

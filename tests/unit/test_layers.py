@@ -1,0 +1,105 @@
+"""The package's layers import only downward: a new upward import fails here, naming the module and the import.
+
+DESIGN.md §3: ``neurons -> base -> {validation, training, p2p, chain} -> config/protocol``. ``training`` trains a
+DiLoCo run between plain processes (no chain, no validators), ``validation`` scores tensors it is given (no hivemind,
+not even through what it imports), and ``config.py`` sits under the chain facade. Read from the source with ``ast``:
+nothing is imported or run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "template"
+
+# layer -> the layers it may import (itself included). A layer is template/<name>/ or template/<name>.py.
+ALLOWED = {
+    "__init__": set(),
+    "config": set(),
+    "protocol": set(),
+    "chain": {"chain", "config"},
+    "p2p": {"p2p", "chain", "config", "protocol"},
+    "training": {"training", "p2p", "config", "protocol"},
+    "validation": {"validation", "training", "config", "protocol"},
+    "tools": {"tools", "training", "config"},
+    "base": {"base", "validation", "training", "p2p", "chain", "config", "protocol", "__init__"},
+    "localnet": {"localnet", "base", "training", "chain", "config", "protocol"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports (absolute names; ``from template import X`` counts as ``template.X``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            if node.module == "template":
+                found.update(f"template.{alias.name}" for alias in node.names)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(path): imports_of(path) for path in PACKAGE.rglob("*.py")}
+
+
+def upward_imports(modules: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, imported in modules.items():
+        layer = layer_of(module)
+        for target in imported:
+            if target.startswith("template.") and layer_of(target) not in ALLOWED[layer]:
+                found.append(f"{module} imports {target} ({layer} may import {sorted(ALLOWED[layer])})")
+    return sorted(found)
+
+
+def test_every_layer_imports_only_what_it_may():
+    violations = upward_imports(graph())
+    assert not violations, "\n".join(violations)
+
+
+def test_every_layer_is_known():
+    assert {layer_of(module) for module in graph()} <= set(ALLOWED)
+
+
+def test_validation_reaches_no_hivemind_even_through_what_it_imports():
+    modules = graph()
+    seen: set[str] = set()
+    frontier = [m for m in modules if layer_of(m) == "validation"]
+    while frontier:
+        module = frontier.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for target in modules.get(module, set()):
+            assert not (target == "hivemind" or target.startswith("hivemind.")), f"{module} imports {target}"
+            package = target.rsplit(".", 1)[0]
+            for candidate in (target, package):  # `from template.training import x` names a module or a name
+                if candidate in modules:
+                    frontier.append(candidate)
+    assert any(layer_of(m) == "training" for m in seen)  # the walk did follow validation into training
+
+
+def test_the_check_catches_an_upward_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from template.base.neuron import StopFlag\nimport template.chain.client\n")
+    modules = {"template.training.bad": imports_of(bad), "template.config": {"template.chain.client"}}
+    assert upward_imports(modules) == [
+        "template.config imports template.chain.client (config may import [])",
+        "template.training.bad imports template.base.neuron (training may import ['config', 'p2p', 'protocol', "
+        "'training'])",
+        "template.training.bad imports template.chain.client (training may import ['config', 'p2p', 'protocol', "
+        "'training'])",
+    ]
