@@ -35,7 +35,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from template.chain.mock import MockSubstrate
-from template.chain.mock_server import MockChainServer, MockServerError, _unwrap
+from template.chain.mock_server import MockChainServer, MockServerError
+from template.chain.mock_wire import unwrap_reply
 from template.chain.wallets import create_wallet
 from template.p2p.identity import PeerDirectory, PeerRecord, is_peer_id, parse_commitment, sign
 from template.p2p.publication import FetchError, PublicationServer, fetch_publication, permit_holders
@@ -287,7 +288,7 @@ TAGGED = st.fixed_dictionaries({"$bytes": JSON_VALUES}) | st.fixed_dictionaries(
 def test_fuzz_mock_chain_replies(reply):
     """Whatever the server answers, the client returns a value or raises one of its documented errors."""
     try:
-        _unwrap(reply)
+        unwrap_reply(reply)
     except (MockServerError, bt.ChainError, ValueError):
         pass
 
