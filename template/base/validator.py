@@ -174,12 +174,12 @@ class Validator:
         context = RoundContext(pending.round, pending.theta, pending.theta_hash, pending.averaged,
                                first_block=pending.round * self.ctx.clock.blocks_per_round, last_block=block)
         verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline)
-        self.book.update(pending.round, {v.hotkey: v.score for v in verdicts}, {v.hotkey: v.reason for v in verdicts})
+        scores = self.book.credit(pending.round, {v.hotkey: v.round_score() for v in verdicts})
         self.book.forget_except(r.hotkey for r in directory)
         self.book.save(self.book_path)
         self.scorer.save_history(self.history_path)
         self.rounds_scored += 1
-        self._report_scores(pending.round, verdicts, time.monotonic() - started, fetch_s)
+        self._report_scores(pending.round, verdicts, scores, time.monotonic() - started, fetch_s)
         if self.rounds_scored % max(1, self.settings.weights_every) == 0:
             self._set_weights(pending.round, directory)
 
@@ -248,14 +248,16 @@ class Validator:
 
     # ------------------------------------------------------------------------------------------ reporting
 
-    def _report_scores(self, round: int, verdicts: list[Verdict], seconds: float, fetch_s: float) -> None:
+    def _report_scores(self, round: int, verdicts: list[Verdict], scores: dict[str, float], seconds: float,
+                       fetch_s: float) -> None:
         rows = []
         for v in verdicts:
             record = self.book.miners.get(v.hotkey)
-            rows.append(dict(uid=v.uid, hotkey=v.hotkey, score=v.score, ema=record.ema if record else 0.0,
-                             reason=v.reason, participated=v.participated, norm=v.norm,
-                             gain_assigned=v.gains.assigned if v.gains else None,
-                             gain_unassigned=v.gains.unassigned if v.gains else None))
+            rows.append(dict(uid=v.uid, hotkey=v.hotkey, score=scores.get(v.hotkey, 0.0), quality=v.quality,
+                             ema=record.ema if record else 0.0, z=record.z if record else 0.0, reason=v.reason,
+                             participated=v.participated, norm=v.norm,
+                             gain_general=v.gains.general if v.gains else None,
+                             evidence=v.gains.evidence if v.gains else None))
         self.ctx.emit("scored", uid=self.ctx.uid, round=round, seconds=seconds, fetch_s=fetch_s, miners=rows)
         self.telemetry.log({f"score/uid{r['uid']}": r["score"] for r in rows}
                            | {f"ema/uid{r['uid']}": r["ema"] for r in rows} | {"scoring_s": seconds}, step=round)

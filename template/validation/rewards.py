@@ -1,26 +1,44 @@
 """Scores over time → weights, and which miners to score next. Persisted atomically, restored on restart.
 
-Per scored round, each scored miner's round score ``s_i`` (quality × participation, 0 when a check failed) becomes a
-*relative* score ``s_i / max(max_j s_j, floor)`` — so rounds early in training (large loss gains) and late (small
-gains) count alike, and so do rounds in which only a subset was scored. ``floor`` is ``best_floor`` × a moving average
-of earlier rounds' best scores: in a round where every good miner was missing, a cheater whose update happened to
-help by a hair does not become "the best" and take full credit. The relative scores are smoothed per miner by an
-exponential moving average::
+**Credit for a round.** The scorer (:mod:`template.validation.round`) hands each scored miner's *quality* (its
+general improvement × participation, 0 when a check failed) and its *evidence* of having trained on its assigned data
+(``e`` nats with standard error ``se``: :mod:`template.validation.scoring`). One round's evidence on a small sample is
+noisy, so it is accumulated per miner, each round weighted by its precision (a round measured on windows of very
+uneven difficulty — the first rounds from a random model — counts little) and older rounds decaying by
+``evidence_decay`` (λ)::
+
+    S_i ← λ·S_i + e/se²          Q_i ← λ²·Q_i + 1/se²          z_i = S_i / √Q_i
+
+z is the significance of the decayed, precision-weighted mean of the evidence (with equal se it is Σλᵏeₖ / (se·√Σλ²ᵏ)).
+A failed check clears the miner's accumulated evidence, and the round's credit is the quality *gated* by it::
+
+    s_i = quality_i × clip((z_i − gate_start) / gate_width, 0, 1)
+
+A miner earns for improving the shared model only once it has shown, with significance, that it trains on its own
+data: a copier of someone's Δ, of Δ̄ or of an old round — however much noise it adds — has z ≈ N(0, 1) and earns
+(almost) nothing, and a miner that trains a fraction f of its assignment shows about f of the evidence and a smaller
+improvement. Subnet 38 and Templar gate the same way (a smoothed binary "assigned gain > random gain" indicator
+times a rating); here the gate is a significance test accumulated over rounds (docs/validation.md, measured).
+
+**Over rounds.** Per scored round, each scored miner's credit ``s_i`` becomes a *relative* score
+``s_i / max(max_j s_j, floor)`` — so rounds early in training (large gains) and late (small gains) count alike, and
+so do rounds in which only a subset was scored. ``floor`` is ``best_floor`` × a moving average of earlier rounds'
+best scores: in a round where every good miner was missing, a cheater whose update happened to help by a hair does
+not become "the best" and take full credit. The relative scores are smoothed per miner by an exponential moving
+average::
 
     ema_i ← (1 − α)·ema_i + α·relative_i          (α = ema_alpha, for the miners scored this round)
 
 and weights are ``ema_i ** power`` normalized to sum to 1. ``power`` > 1 concentrates the reward on miners that are
 good *consistently*: one lucky round of a cheater fades fast (α = 0.5, power 2.5: a full-score round followed by
 three zero rounds leaves 0.1 % of an honest miner's weight), while honest miners, whose averages differ by up to ~25 %
-(their Δs help unequally from round to round), stay within a factor of two of each other's weight. A higher power
-hides cheaters faster but magnifies those honest differences (a 0.75 ratio of averages is 0.49 of the weight at power
-2.5, 0.43 at power 3); the adversarial test measured both sides (docs/validation.md).
+(their Δs help unequally from round to round), stay within a factor of two of each other's weight.
 
 Scores are keyed by hotkey, not uid: a uid that is re-registered by another hotkey starts from zero.
 
 On failure: :meth:`ScoreBook.save` writes a temporary file, fsyncs it and renames it over the old one, so a crash
 leaves either the previous or the new book; :meth:`ScoreBook.load` refuses a file it cannot parse (ValueError naming
-it) instead of silently starting over.
+it) instead of silently starting over; a book of the previous format (without evidence) is read with no evidence.
 """
 
 from __future__ import annotations
@@ -32,7 +50,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 books had no evidence
 
 
 @dataclass(frozen=True)
@@ -40,10 +59,27 @@ class RewardConfig:
     ema_alpha: float = 0.5
     power: float = 2.5
     best_floor: float = 0.1  # × the moving average of the rounds' best scores
+    evidence_decay: float = 0.8  # λ: weight of a miner's earlier rounds in its accumulated evidence
+    gate_start: float = 1.0  # accumulated z at which a miner starts to earn
+    gate_width: float = 2.0  # ... and how much more z it needs to earn in full
 
     def __post_init__(self) -> None:
         if not (0 < self.ema_alpha <= 1 and self.power > 0 and 0 <= self.best_floor <= 1):
             raise ValueError(f"invalid reward settings: {self}")
+        if not (0 <= self.evidence_decay < 1 and self.gate_width > 0):
+            raise ValueError(f"invalid evidence settings: {self}")
+
+    def gate(self, z: float) -> float:
+        return min(1.0, max(0.0, (z - self.gate_start) / self.gate_width))
+
+
+@dataclass(frozen=True)
+class RoundScore:
+    """One miner's round as the scorer saw it: quality (≥ 0) and, when it passed every check, (evidence, its se)."""
+
+    quality: float
+    evidence: tuple[float, float] | None
+    reason: str = ""
 
 
 @dataclass
@@ -53,6 +89,12 @@ class MinerScore:
     last_score: float = 0.0  # its relative score then
     last_reason: str = ""
     rounds_scored: int = 0
+    evidence: float = 0.0  # S: accumulated precision-weighted evidence
+    evidence_precision: float = 0.0  # Q: its accumulated squared weights
+
+    @property
+    def z(self) -> float:
+        return self.evidence / self.evidence_precision ** 0.5 if self.evidence_precision > 0 else 0.0
 
 
 @dataclass
@@ -62,6 +104,23 @@ class ScoreBook:
     last_round: int = -1  # the newest round scored
     last_weights_block: int = -1
     typical_best: float = 0.0  # moving average of each round's best score (0 until the first positive one)
+
+    def credit(self, round: int, results: Mapping[str, RoundScore]) -> dict[str, float]:
+        """Fold the round's evidence into each miner's, gate its quality by it, and :meth:`update` with the
+        resulting round scores, which are returned (hotkey → credit ≥ 0)."""
+        decay = self.config.evidence_decay
+        scores = {}
+        for hotkey, result in results.items():
+            record = self.miners.setdefault(hotkey, MinerScore())
+            if result.evidence is None:
+                record.evidence = record.evidence_precision = 0.0
+            else:
+                evidence, se = result.evidence
+                record.evidence = decay * record.evidence + evidence / se ** 2
+                record.evidence_precision = decay * decay * record.evidence_precision + 1 / se ** 2
+            scores[hotkey] = result.quality * self.config.gate(record.z)
+        self.update(round, scores, {hotkey: result.reason for hotkey, result in results.items()})
+        return scores
 
     def update(self, round: int, scores: Mapping[str, float], reasons: Mapping[str, str] | None = None) -> None:
         """Fold in the round scores (≥ 0) of the miners scored for ``round``."""
@@ -129,8 +188,8 @@ class ScoreBook:
             return cls(config)
         try:
             document = json.loads(path.read_text())
-            if document.get("version") != FORMAT_VERSION:
-                raise ValueError(f"format version {document.get('version')!r}, expected {FORMAT_VERSION}")
+            if document.get("version") not in READABLE_VERSIONS:
+                raise ValueError(f"format version {document.get('version')!r}, expected one of {READABLE_VERSIONS}")
             miners = {str(k): MinerScore(**v) for k, v in document["miners"].items()}
             return cls(config, miners, int(document["last_round"]), int(document["last_weights_block"]),
                        float(document["typical_best"]))

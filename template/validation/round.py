@@ -8,10 +8,12 @@ Order of the checks (each failing miner gets a round score of 0 and the first re
 4. a plausible norm relative to the round (:func:`~template.validation.integrity.check_norm`);
 5. not a replay of an earlier round's Δ or Δ̄, and not the round's own Δ̄ re-published (when the miner did not
    contribute most of Δ̄ itself);
-6. loss gains on assigned and unassigned data (:mod:`~template.validation.scoring`), then copies between miners of
-   this round (the later publisher is the copier);
-7. quality × participation: a miner absent from the round's all-reduce (or present with zero tokens) keeps only
-   ``absent_factor`` of its quality, since its Δ did not help the shared model.
+6. the loss measures (:mod:`~template.validation.scoring`): the general improvement and the evidence of training on
+   the assigned data, against the round's Δ̄ as the reference update (θ_r itself when the validator holds no Δ̄);
+   then copies between miners of this round (the later publisher is the copier);
+7. quality = general improvement × participation: a miner absent from the round's all-reduce (or present with zero
+   tokens) keeps only ``absent_factor`` of it, since its Δ did not help the shared model. The evidence goes with it
+   to the score book (:mod:`~template.validation.rewards`), which turns both into the round's credit.
 
 The scorer keeps the sketches of the last ``history_rounds`` rounds for replay detection, and can persist them
 (safetensors, atomic) so a restarted validator still recognizes replays.
@@ -40,6 +42,7 @@ from template.validation.integrity import (
     reference_norm,
     total_norm,
 )
+from template.validation.rewards import RoundScore
 from template.validation.scoring import LossGains, LossProbe, ScoringConfig, WindowSampler, loss_gains
 
 Tensors = Sequence[torch.Tensor]
@@ -65,11 +68,17 @@ class Candidate:
 class Verdict:
     hotkey: str
     uid: int
-    score: float  # the round score (≥ 0): quality × participation, 0 on a failed check
+    quality: float  # ≥ 0: the general improvement × participation, 0 on a failed check
     reason: str  # "" when every check passed
     gains: LossGains | None = None
     norm: float = 0.0
     participated: bool | None = None
+
+    def round_score(self) -> RoundScore:
+        """What the score book needs: the quality, and the evidence when every check passed (else none)."""
+        if self.reason or self.gains is None:
+            return RoundScore(0.0, None, self.reason)
+        return RoundScore(self.quality, (self.gains.evidence, self.gains.evidence_se), self.reason)
 
 
 @dataclass(frozen=True)
@@ -131,13 +140,13 @@ class RoundScorer:
         verdicts = []
         for c in candidates:
             g = gains.get(c.hotkey)
-            score = 0.0
+            quality = 0.0
             if c.hotkey not in reasons and g is not None:
-                score = g.quality(self.scoring.assigned_bonus)
+                quality = max(0.0, g.general)
                 if c.participated is False:
-                    score *= self.scoring.absent_factor
-            verdicts.append(Verdict(c.hotkey, c.uid, score, reasons.get(c.hotkey, ""), g, norms.get(c.hotkey, 0.0),
-                                    c.participated))
+                    quality *= self.scoring.absent_factor
+            verdicts.append(Verdict(c.hotkey, c.uid, quality, reasons.get(c.hotkey, ""), g,
+                                    norms.get(c.hotkey, 0.0), c.participated))
         return verdicts
 
     def _basic_problem(self, context: RoundContext, c: Candidate) -> str | None:
@@ -153,21 +162,30 @@ class RoundScorer:
 
     def _probe(self, context: RoundContext, candidates: Sequence[Candidate], reasons: dict[str, str],
                out_of_time: Callable[[], bool]) -> dict[str, LossGains]:
+        """The loss measures of every candidate, against Δ̄ as the reference update when the validator holds it.
+        θ_r and the reference are loaded once each, on every window any candidate needs, then each candidate's Δ
+        once: 2 + N model loads (a load of a large model costs seconds)."""
         if not candidates:
             return {}
         n = self.scoring.eval_windows
         pool = self.sampler.unassigned(context.round, n)
+        samples = {c.hotkey: self.sampler.assigned(c.hotkey, context.round, n) for c in candidates}
+        assigned_windows = sorted({w for sample, _ in samples.values() for w in sample})
         self.probe.load(context.theta)
-        baseline = self.probe.window_losses(pool)
+        baseline = self.probe.window_losses(pool if context.averaged is not None else [*pool, *assigned_windows])
+        reference = baseline  # without Δ̄ each update is compared with θ_r itself (noisier, still unbiased)
+        if context.averaged is not None:
+            self.probe.load(context.theta, context.averaged, self.scoring.step_scale)
+            reference = self.probe.window_losses([*pool, *assigned_windows])
         gains = {}
         for c in candidates:
             if out_of_time():
                 reasons[c.hotkey] = "not evaluated in time"
                 continue
-            assigned, excluded = self.sampler.assigned(c.hotkey, context.round, n)
+            assigned, excluded = samples[c.hotkey]
             unassigned = [w for w in pool if w not in excluded][:n]
             gains[c.hotkey] = loss_gains(self.probe, context.theta, c.tensors, assigned, unassigned, baseline,
-                                         self.scoring.step_scale)
+                                         reference, self.scoring)
         return gains
 
     def _remember(self, context: RoundContext, sketches: Mapping[str, torch.Tensor],

@@ -1,28 +1,36 @@
-"""Loss-based scoring of one pseudo-gradient: does applying it help the data the miner was assigned?
+"""Loss-based measures of one pseudo-gradient: does it help, and is there evidence it was trained on the miner's data?
 
-For miner i in round r, from the validator's copy of θ_r (the same θ_r the miner started from):
+For miner i in round r, from the validator's copy of θ_r (the same θ_r the miner started from), with R a reference
+update that was not trained on i's data (the round's Δ̄, which i's own share barely moves; R = 0, i.e. θ_r itself,
+when the validator holds no Δ̄ because its all-reduce failed):
 
-    L_A(x) = mean loss of parameters x on a sample of the windows assigned to i in round r
-    L_U(x) = mean loss of x on a sample of training windows *not* assigned to i
-    g_A = L_A(θ_r) − L_A(θ_r − η·Δ_i)          improvement on the assigned data
-    g_U = L_U(θ_r) − L_U(θ_r − η·Δ_i)          improvement on other data
-    quality = max(0, g_A + γ·(g_A − g_U))
+    L_X(x)  = mean loss of parameters x on the windows X
+    A       = a private sample of the windows assigned to i in round r;  U = training windows *not* assigned to i
+    general = L_U(θ_r) − L_U(θ_r − η·Δ_i)                                  improvement on other data
+    d(w)    = ℓ_w(θ_r − η·R) − ℓ_w(θ_r − η·Δ_i)                            per window: Δ_i's edge over the reference
+    evidence = mean_A d − mean_U d,   with its standard error from the per-window spread of d on A and on U
 
-η = 1 evaluates the miner's own end-of-round model. ``g_A`` rewards an update that helps (a random or scaled Δ makes
-it negative); the second term adds the part of the help that is *specific to the assigned windows* — the trace of
-having trained on them, which a copier, a replayer of an old round or a miner training on other data does not
-have. Samples are drawn from the validator's private seed, so a miner cannot know which of its windows will be
-checked and must train on all of them.
+η = 1 evaluates the miner's own end-of-round model. ``general`` is what the update is worth to the shared model; a
+random, scaled, stale or badly trained update makes it negative. ``evidence`` is the trace of having trained on
+*those* windows: a model trained on them fits them better, relative to a model trained as much on other data, than it
+fits other text. Differencing against the reference per window removes most of the window-to-window spread of
+difficulty, which a comparison with θ_r itself (``g_A − g_U`` of earlier versions) left in: that spread made honest
+miners' scores swing by a factor of three from round to round. A copy of someone else's Δ, of Δ̄ or of an old round,
+or an update trained on other data, has no evidence (its mean is ~0 and its significance low whatever its size);
+training only part of the assignment leaves evidence on only that part of the sample. How evidence becomes credit
+(significance accumulated over rounds, gating the general improvement) is :mod:`template.validation.rewards`.
 
-Why a sample of windows and not all: cost. A sample of ``eval_windows`` windows from each side costs
-3 × ``eval_windows`` forward passes per miner (the unassigned baseline is shared by the round); see
-docs/validation.md for the noise this leaves and docs/benchmarks.md for the cost.
+Samples are drawn from the validator's private seed, so a miner cannot know which of its windows will be checked and
+must train on all of them. Cost per miner: 3 × ``eval_windows`` forward passes (Δ_i on A and U, the reference on A);
+θ_r and the reference on the unassigned pool are evaluated once per round (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,11 +47,13 @@ Tensors = Sequence[torch.Tensor]
 class ScoringConfig:
     eval_windows: int = 16  # windows sampled from the assigned data, and from other data, per miner
     step_scale: float = 1.0  # η
-    assigned_bonus: float = 1.0  # γ
     absent_factor: float = 0.5  # round score multiplier for a miner missing from the round's all-reduce
+    # nats: the standard error of the evidence is never taken as smaller than this, so that two near-identical
+    # models (a copy of the reference) cannot look significant through a vanishing spread
+    evidence_floor: float = 0.002
 
     def __post_init__(self) -> None:
-        if self.eval_windows < 1 or self.step_scale <= 0 or self.assigned_bonus < 0:
+        if self.eval_windows < 2 or self.step_scale <= 0 or self.evidence_floor <= 0:
             raise ValueError(f"invalid scoring settings: {self}")
         if not 0 <= self.absent_factor <= 1:
             raise ValueError("absent_factor must be within [0, 1]")
@@ -51,16 +61,16 @@ class ScoringConfig:
 
 @dataclass(frozen=True)
 class LossGains:
-    assigned: float  # g_A
-    unassigned: float  # g_U
+    """One update's measures (nats; see the module docstring)."""
+
+    general: float  # L_U(θ_r) − L_U(θ_r − ηΔ): what it is worth on other data
+    evidence: float  # mean_A d − mean_U d: how much more it helps its assigned windows than the reference does
+    evidence_se: float  # standard error of ``evidence`` (floored)
 
     @property
-    def evidence(self) -> float:
-        """g_A − g_U: how much more the update helps the assigned data than other data."""
-        return self.assigned - self.unassigned
-
-    def quality(self, assigned_bonus: float) -> float:
-        return max(0.0, self.assigned + assigned_bonus * self.evidence)
+    def z(self) -> float:
+        """This round's significance of the evidence."""
+        return self.evidence / self.evidence_se
 
 
 def _seed(*parts: object) -> int:
@@ -122,12 +132,15 @@ def mean_over(losses: dict[int, float], windows: Sequence[int]) -> float:
     return sum(losses[w] for w in windows) / len(windows)
 
 
-def loss_gains(probe: LossProbe, theta: Tensors, delta: Tensors, assigned: Sequence[int],
-               unassigned: Sequence[int], baseline: dict[int, float], step_scale: float) -> LossGains:
-    """g_A and g_U of ``delta``; ``baseline`` holds θ_r's losses of ``unassigned`` (shared by the round)."""
-    probe.load(theta)
-    before_assigned = mean_over(probe.window_losses(assigned), assigned)
-    probe.load(theta, delta, step_scale)
+def loss_gains(probe: LossProbe, theta: Tensors, delta: Tensors, assigned: Sequence[int], unassigned: Sequence[int],
+               baseline: dict[int, float], reference: dict[int, float], config: ScoringConfig) -> LossGains:
+    """The measures of ``delta``; ``baseline`` and ``reference`` hold the losses of θ_r and of θ_r − η·R on (at least)
+    the windows ``unassigned`` and, for the reference, ``assigned`` (both computed once per round)."""
+    probe.load(theta, delta, config.step_scale)
     after = probe.window_losses([*assigned, *unassigned])
-    return LossGains(assigned=before_assigned - mean_over(after, assigned),
-                     unassigned=mean_over(baseline, unassigned) - mean_over(after, unassigned))
+    edge_assigned = [reference[w] - after[w] for w in assigned]
+    edge_unassigned = [reference[w] - after[w] for w in unassigned]
+    spread = statistics.variance(edge_assigned) / len(assigned) + statistics.variance(edge_unassigned) / len(unassigned)
+    return LossGains(general=mean_over(baseline, unassigned) - mean_over(after, unassigned),
+                     evidence=statistics.fmean(edge_assigned) - statistics.fmean(edge_unassigned),
+                     evidence_se=math.sqrt(spread + config.evidence_floor ** 2))

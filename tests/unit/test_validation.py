@@ -24,9 +24,9 @@ from template.validation.integrity import (
     reference_norm,
     total_norm,
 )
-from template.validation.rewards import RewardConfig, ScoreBook
+from template.validation.rewards import RewardConfig, RoundScore, ScoreBook
 from template.validation.round import Candidate, RoundContext, RoundScorer
-from template.validation.scoring import LossGains, LossProbe, ScoringConfig, WindowSampler, loss_gains
+from template.validation.scoring import LossProbe, ScoringConfig, WindowSampler, loss_gains
 
 SHAPES = [torch.Size([4, 3]), torch.Size([5])]
 
@@ -136,6 +136,38 @@ def test_score_book_rotation_persistence_and_forgetting(tmp_path):
         book.update(5, {"a": -1.0})
 
 
+def test_credit_gates_quality_by_evidence_accumulated_over_rounds():
+    book = ScoreBook(RewardConfig(evidence_decay=0.5, gate_start=1.0, gate_width=2.0))
+    steady = RoundScore(1.0, (0.02, 0.01))  # z = 2 in one round
+    assert book.credit(0, {"honest": steady})["honest"] == pytest.approx(0.5)  # gate((2 - 1) / 2)
+    # evidence adds up: S = (0.5 + 1)·0.02/1e-4, Q = (0.25 + 1)/1e-4 → z = 2·1.5/√1.25 = 2.68
+    assert book.credit(1, {"honest": steady})["honest"] == pytest.approx((2 * 1.5 / 1.25 ** 0.5 - 1) / 2)
+    for r in (2, 3):
+        credit = book.credit(r, {"honest": steady})["honest"]
+    assert credit == 1.0
+    # a copy has no evidence: z stays ~0 and it earns nothing, however large its quality
+    for r in range(4):
+        assert book.credit(r, {"copier": RoundScore(5.0, (0.0, 0.002))})["copier"] == 0.0
+    # a round measured with a large error counts little: one bad first round does not bury the next good one
+    book.credit(0, {"late": RoundScore(1.0, (-0.14, 0.1))})
+    assert book.credit(1, {"late": steady})["late"] == pytest.approx(0.5, abs=0.05)
+    # a failed check clears the evidence: the next good round starts over
+    book.credit(4, {"honest": RoundScore(0.0, None, "copy of x's Δ")})
+    assert book.miners["honest"].z == 0.0 and book.miners["honest"].last_reason == "copy of x's Δ"
+    assert book.credit(5, {"honest": steady})["honest"] == pytest.approx(0.5)
+
+
+def test_a_book_of_the_previous_format_loads_without_evidence(tmp_path):
+    path = tmp_path / "scores.json"
+    path.write_text('{"version": 1, "config": {}, "last_round": 3, "last_weights_block": 9, "typical_best": 0.5, '
+                    '"miners": {"a": {"ema": 0.4, "last_round": 3, "last_score": 1.0, "last_reason": "", '
+                    '"rounds_scored": 2}}}')
+    book = ScoreBook.load(path, RewardConfig())
+    assert book.miners["a"].ema == 0.4 and book.miners["a"].z == 0.0 and book.last_round == 3
+    book.save(path)
+    assert ScoreBook.load(path, RewardConfig()).miners == book.miners
+
+
 # --- one round, scored from real pseudo-gradients ------------------------------------------------------------------
 
 
@@ -163,18 +195,25 @@ def trained_round():
     return theta, deltas, averaged, probe, sampler
 
 
-def test_loss_gains_reward_a_real_update_and_punish_noise(trained_round):
-    theta, deltas, _, probe, sampler = trained_round
+def test_loss_measures_reward_a_real_update_punish_noise_and_see_no_evidence_in_a_copy(trained_round):
+    theta, deltas, averaged, probe, sampler = trained_round
+    config = ScoringConfig()
     assigned, every_assigned = sampler.assigned("honest-a", 0, 16)
     unassigned = [w for w in sampler.unassigned(0, 16) if w not in every_assigned][:16]
     probe.load(theta)
     baseline = probe.window_losses(unassigned)
-    honest = loss_gains(probe, theta, deltas["honest-a"], assigned, unassigned, baseline, 1.0)
-    noise = [torch.randn_like(t) * t.norm() / t.numel() ** 0.5 for t in deltas["honest-a"]]
-    noisy = loss_gains(probe, theta, noise, assigned, unassigned, baseline, 1.0)
-    assert honest.assigned > 0.1 and honest.quality(1.0) > 0.1
-    assert noisy.quality(1.0) < 0.05 * honest.quality(1.0)
-    assert LossGains(0.5, 0.3).evidence == pytest.approx(0.2) and LossGains(-1.0, 0.0).quality(1.0) == 0.0
+    probe.load(theta, averaged)
+    reference = probe.window_losses([*assigned, *unassigned])
+
+    def measure(delta):
+        return loss_gains(probe, theta, delta, assigned, unassigned, baseline, reference, config)
+
+    honest = measure(deltas["honest-a"])
+    noisy = measure([torch.randn_like(t) * t.norm() / t.numel() ** 0.5 for t in deltas["honest-a"]])
+    copy_of_reference = measure(averaged)
+    assert honest.general > 0.1 and noisy.general < 0.05 * honest.general
+    assert copy_of_reference.evidence == 0.0 and copy_of_reference.z == 0.0  # floor: no significance from nothing
+    assert honest.evidence_se >= config.evidence_floor and copy_of_reference.evidence_se == config.evidence_floor
 
 
 def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(trained_round):
@@ -205,7 +244,7 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
     ]
     context = RoundContext(0, theta, h, averaged, first_block=100, last_block=110)
     verdicts = {v.hotkey: v for v in scorer.score(context, candidates)}
-    assert verdicts["honest-a"].score > 0 and verdicts["honest-b"].score > 0, verdicts
+    assert verdicts["honest-a"].quality > 0 and verdicts["honest-b"].quality > 0, verdicts
     assert verdicts["honest-a"].reason == verdicts["honest-b"].reason == ""
     expected = {
         "freerider": "empty update", "scaled": "over 3x", "copy-exact": "copy of honest-a",
@@ -213,11 +252,12 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
         "unreachable": "not fetched", "wrong-base": "trained from θ", "backdated": "outside the round's window",
     }
     for hotkey, fragment in expected.items():
-        assert verdicts[hotkey].score == 0.0 and fragment in verdicts[hotkey].reason, verdicts[hotkey]
+        assert verdicts[hotkey].quality == 0.0 and fragment in verdicts[hotkey].reason, verdicts[hotkey]
+        assert verdicts[hotkey].round_score().evidence is None
 
     # next round: re-publishing round 0's Δ (own or anyone's) is a replay
     replay = scorer.score(RoundContext(1, theta, h, None, 100, 200), [candidate("stale", 12, a, block=150)])[0]
-    assert replay.score == 0.0 and "replays the Δ of honest-a of round 0" in replay.reason
+    assert replay.quality == 0.0 and "replays the Δ of honest-a of round 0" in replay.reason
 
 
 def test_absent_miners_keep_only_part_of_their_score_and_time_limits_are_reported(trained_round, tmp_path):
@@ -237,11 +277,11 @@ def test_absent_miners_keep_only_part_of_their_score_and_time_limits_are_reporte
     absent = scorer.score(context, [Candidate("m", 1, deltas["honest-b"], h, 5, participated=False)])[0]
     scorer.history.clear()
     unknown = scorer.score(context, [Candidate("m", 1, deltas["honest-b"], h, 5, participated=None)])[0]
-    assert present.score > 0 and unknown.score == pytest.approx(present.score, rel=1e-6)
-    assert absent.score == pytest.approx(0.5 * present.score, rel=1e-6)
+    assert present.quality > 0 and unknown.quality == pytest.approx(present.quality, rel=1e-6)
+    assert absent.quality == pytest.approx(0.5 * present.quality, rel=1e-6)
     late = scorer.score(RoundContext(1, theta, h, None, 0, 10),
                         [Candidate("late", 4, averaged, h, 5)], out_of_time=lambda: True)
-    assert late[0].reason == "not evaluated in time" and late[0].score == 0.0
+    assert late[0].reason == "not evaluated in time" and late[0].quality == 0.0
     path = tmp_path / "sketches.safetensors"
     scorer.save_history(path)
     restored = RoundScorer(probe, sampler, [t.shape for t in theta], integrity=IntegrityConfig(),
