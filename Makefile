@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint localnet clean
+.PHONY: venv test test-fast test-browser browser lint localnet clean
 
 $(STAMP): setup.py requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,17 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit
+
+# The dashboards and the local network's report in headless Chromium (tests/browser; `make test` leaves them out).
+test-browser: $(STAMP) browser
+	$(PY) -m pytest -m browser tests/browser
+
+# Debian's Chromium and its WebDriver, installed when missing (as root, or through sudo).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
 
 # The whole subnet on this machine: mock chain, 1 validator, 3 miners, 3 rounds; report in runs/localnet-TIME/.
 localnet: $(STAMP)

@@ -20,9 +20,10 @@ setup(
     long_description=(here / "README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["template", "template.*"]),
+    package_data={"template.base": ["dashboard.html"]},
     python_requires=">=3.10,<3.13",
     install_requires=requirements,
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff>=0.5"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff>=0.5", "selenium>=4.20"],
     },
 )

@@ -8,7 +8,11 @@ every neuron agrees on the round without a coordinator.
 
 On failure: a chain that cannot be reached is retried by the chain facade and then raises; an axon that the chain
 refuses to re-serve (serving rate limit) is logged and the previous record stands; SIGINT/SIGTERM set a stop flag that
-the loops check between steps, so a neuron leaves its round cleanly and closes its host.
+the loops check between steps, so a neuron leaves its round cleanly and closes its host. SIGUSR1 (what
+``scripts/auto_update.py`` sends before it restarts a neuron on a new release) asks for a stop after the round in
+progress: inner training and the all-reduce run to their end, the round is checkpointed, then the neuron exits 0.
+With ``--dashboard.port`` a read-only web dashboard (``template/base/dashboard.py``) shows every event the neuron
+emits; a port that cannot be bound stops the neuron at start.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import hivemind
 import torch
 
 from template.base.config import NeuronConfig
+from template.base.dashboard import DashboardError, DashboardServer, start_dashboard
 from template.chain.client import CHAIN_UNREACHABLE, ChainClient, NetworkConfigError, NotRegisteredError
 from template.chain.wallets import open_wallet
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
@@ -44,7 +49,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Failures an operator can fix (flags, wallet, registration, data, network): one line and exit code 2, no traceback.
 SETUP_ERRORS: tuple[type[BaseException], ...] = (NotRegisteredError, NetworkConfigError, DHTStartError,
-                                                  RunMismatchError, FileNotFoundError, ValueError)
+                                                  RunMismatchError, FileNotFoundError, ValueError, DashboardError)
 NEURON_ERRORS = SETUP_ERRORS + CHAIN_UNREACHABLE + (CheckpointError,)
 
 
@@ -76,7 +81,15 @@ def prepare_process(config: NeuronConfig) -> StopFlag:
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM; loops check it between steps instead of being killed mid-write."""
+    """Set by SIGINT/SIGTERM, or by SIGUSR1 ("stop after this round"); loops check it between steps instead of being
+    killed mid-write.
+
+    Nothing checks the flag inside a round's inner training or all-reduce: the neurons' loops check it between rounds
+    (after the round's checkpoint), so both signals end the neuron there. They differ in who receives them: a stop
+    sent to the neuron's whole process group or tree (Ctrl-C, the local network, ``pm2 stop``) also reaches
+    hivemind's helper processes, which abandon an all-reduce in flight; the auto-updater sends SIGUSR1 to the
+    neuron's own process only, so the round in progress ends normally.
+    """
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -84,6 +97,11 @@ class StopFlag:
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._event.set())
+        signal.signal(signal.SIGUSR1, lambda *_: self._after_round())
+
+    def _after_round(self) -> None:
+        log.info("SIGUSR1: stopping after the round in progress (its checkpoint included)")
+        self._event.set()
 
     def set(self) -> None:
         self._event.set()
@@ -202,6 +220,7 @@ class NeuronContext:
     runner: AsyncRunner
     clock: RoundClock
     stop: StopFlag
+    dashboard: DashboardServer | None = None
 
     @property
     def hotkey(self) -> str:
@@ -245,13 +264,18 @@ class NeuronContext:
         return connect_peers(self.dht, directory.bootstrap_maddrs(exclude_peer_id=str(self.dht.peer_id)))
 
     def emit(self, event: str, **fields: Any) -> None:
-        """One JSON line in ``--neuron.events_file`` (nothing without it)."""
+        """One JSON line in ``--neuron.events_file`` (nothing without it), and the same event to the dashboard."""
+        record = dict(event=event, time=time.time(), **fields)
         path = self.config.neuron.events_file
         if path:
             with open(path, "a") as f:
-                f.write(json.dumps(dict(event=event, time=time.time(), **fields)) + "\n")
+                f.write(json.dumps(record) + "\n")
+        if self.dashboard is not None:
+            self.dashboard.record(record)
 
     def close(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.close()
         self.dht.shutdown()
         self.runner.close()
         self.chain.close()
@@ -286,12 +310,15 @@ def start_neuron(config: NeuronConfig, stop: StopFlag) -> NeuronContext:
         port = int(visible_maddrs(dht)[0].split("/tcp/")[1].split("/")[0])
         serve_axon_once(chain, wallet, graph, uid, external_ip, port)
         chain.set_commitment(wallet, commitment_value(str(dht.peer_id)))
+        dashboard = start_dashboard(config.dashboard, "validator" if config.validator is not None else "miner")
     except BaseException:
         dht.shutdown()
         runner.close()
         raise
+    if dashboard is not None:
+        print(f"dashboard: {dashboard.url}", file=sys.stderr, flush=True)
     config.state_dir.mkdir(parents=True, exist_ok=True)
-    return NeuronContext(config, wallet, chain, uid, dht, runner, clock, stop)
+    return NeuronContext(config, wallet, chain, uid, dht, runner, clock, stop, dashboard)
 
 
 def serve_axon_once(chain: ChainClient, wallet: bt.Wallet, graph: bt.Metagraph, uid: int, ip: str, port: int) -> None:

@@ -10,6 +10,8 @@ and ``DIR/report.html`` (:mod:`template.localnet.report`). Everything listens on
 
 While it runs, the terminal shows one status line per neuron (role, uid, round, step or scored miners, loss,
 tokens/s), redrawn every second, and one line per finished round (group size, all-reduce seconds, bytes, weights).
+With ``--dashboard`` every neuron also serves its live web dashboard on its own free port of 127.0.0.1; the addresses
+are printed at start (``dashboard of NAME: URL``) and kept in the report's ``run``.
 
 Exit status: 0 only when the report's checks pass (held-out loss fell, honest miners identical after every round,
 weights on chain turned into incentive); 1 when they do not, a child died or the run timed out; 2 for bad options;
@@ -26,6 +28,7 @@ import os
 import queue
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -82,6 +85,7 @@ class LocalnetConfig:
     seq_len: int = 64
     matchmaking_time: float = 5.0
     timeout_s: float = 900.0
+    dashboard: bool = False  # every neuron serves its dashboard on a free port of 127.0.0.1
 
     def miner_behaviours(self) -> list[str]:
         return list(self.behaviours) or [HONEST] * self.miners
@@ -163,7 +167,15 @@ def create_neurons(remote: RemoteMockSubstrate, config: LocalnetConfig, wallet_d
     return neurons
 
 
-def neuron_command(config: LocalnetConfig, neuron: NeuronInfo, url: str, out: Path) -> list[str]:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on right now (the neuron that is given it binds it soon after)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def neuron_command(config: LocalnetConfig, neuron: NeuronInfo, url: str, out: Path,
+                   dashboard_port: int = 0) -> list[str]:
     """The neuron's command line as an operator would type it; the --run.* values are the same for every neuron."""
     script = "neurons/validator.py" if neuron.role == "validator" else "neurons/miner.py"
     command = [
@@ -177,6 +189,8 @@ def neuron_command(config: LocalnetConfig, neuron: NeuronInfo, url: str, out: Pa
     ]
     if neuron.role == "miner":
         command += ["--miner.behaviour", str(neuron.behaviour)]
+    if dashboard_port:
+        command += ["--dashboard.port", str(dashboard_port)]
     return command
 
 
@@ -207,6 +221,7 @@ class Localnet:
         self.children: dict[str, NeuronProcess] = {}
         self.events: dict[str, list[dict]] = {}
         self.neurons: list[NeuronInfo] = []
+        self.dashboards: dict[str, str] = {}  # neuron name -> its dashboard's address (--dashboard)
         self.view = LiveView(stream)
         self.remote: RemoteMockSubstrate | None = None
         self.url = ""
@@ -223,16 +238,20 @@ class Localnet:
                        f"{config.blocks_per_round} blocks; logs in {self.out}")
         for neuron in self.neurons:
             self.check_interrupt()
-            command = neuron_command(config, neuron, self.url, self.out)
+            port = free_port() if config.dashboard else 0
+            command = neuron_command(config, neuron, self.url, self.out, port)
             self.children[neuron.name] = NeuronProcess(neuron.name, command, self.out, self.env, self.queue,
                                                        self.out / f"{neuron.name}.events")
+            if port:
+                self.dashboards[neuron.name] = f"http://127.0.0.1:{port}/"
+                self.view.line(f"dashboard of {neuron.name}: {self.dashboards[neuron.name]}")
         self.view.track(self.neurons, {n.name: self.children[n.name].log_path for n in self.neurons})
         last_round = self.pump(self.rounds_done, deadline, f"every miner to report {config.rounds} rounds")
         self.wait_for_incentive(deadline)
         validators = [n.uid for n in self.neurons if n.role == "validator"]
         snapshot = read_chain(self.url, validators)
         run = dict(asdict(config), out=str(self.out), chain=self.url, netuid=NETUID,
-                   behaviours=config.miner_behaviours())
+                   behaviours=config.miner_behaviours(), dashboards=self.dashboards)
         report = build_report(self.neurons, self.events, snapshot, last_round=last_round, run=run)
         write_report(report, self.out)
         return report
@@ -376,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--matchmaking-time", type=float, default=defaults.matchmaking_time)
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="every neuron serves its live web dashboard on a free port of 127.0.0.1 (addresses "
+                             "printed at start)")
     return parser
 
 
@@ -407,7 +429,7 @@ def config_from_args(argv: list[str] | None) -> LocalnetConfig:
         data=absolute_sources(args.data), blocks_per_round=args.blocks_per_round,
         seconds_per_block=args.seconds_per_block, tempo=args.tempo, compression=args.compression,
         inner_steps=args.inner_steps, seq_len=args.seq_len, matchmaking_time=args.matchmaking_time,
-        timeout_s=args.timeout,
+        timeout_s=args.timeout, dashboard=args.dashboard,
     )
 
 

@@ -2,7 +2,9 @@
 
 :func:`build_report` turns the events files of one run and a :class:`ChainSnapshot` into the ``report.json``
 document; :func:`write_report` writes it with two PNG plots (loss per round; weight and incentive per uid) and a
-``report.html`` that shows plots and tables in a browser with no network access (images by relative path).
+``report.html`` that shows plots and tables in a browser with no network access (images by relative path). The page
+fits a 1280 px window: hotkeys and long behaviour names (``module:Class``) are shortened in the tables and the weights
+plot, the full text on hover (the cell's ``title``), and long run options wrap.
 
 The checks (all must hold for ``passed``):
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -190,21 +193,60 @@ def plot_losses(rounds: list[dict], path: Path) -> None:
     figure.savefig(path)
 
 
-def plot_weights(neurons: list[dict], path: Path) -> None:
+def shorten(text: str, keep: int, ellipsis_at: str = "middle") -> str:
+    """``text`` cut to ``keep`` characters, the ellipsis at its ``start``, ``middle`` (both ends of a hotkey stay
+    readable) or ``end``."""
+    if len(text) <= keep:
+        return text
+    head = {"start": 0, "middle": (keep - 1) // 2 + (keep - 1) % 2, "end": keep - 1}[ellipsis_at]
+    return text[:head] + "…" + text[len(text) - (keep - 1 - head):]
+
+
+def behaviour_label(behaviour: str | None, keep: int = 12) -> str:
+    """A plot label for a behaviour: a ``module:Class`` plug-in by its class name, at most ``keep`` characters."""
+    name = str(behaviour or "").rsplit(":", 1)[-1]
+    return name if len(name) <= keep else name[: keep - 1] + "…"
+
+
+# Above this many miners the weights plot's labels stand on end (one text line wide each), so that they never run
+# into each other; above LABELLED_MAX only every k-th miner is labelled.
+UPRIGHT_LABELS_MAX = 3
+LABELLED_MAX = 40
+
+
+def weight_labels(miners: list[dict]) -> tuple[list[str], dict[str, Any]]:
+    """The weights plot's x labels (``uid N`` and the shortened behaviour) and their text style."""
+    if len(miners) <= UPRIGHT_LABELS_MAX:
+        return [f"uid {row['uid']}\n{behaviour_label(row['behaviour'])}" for row in miners], {}
+    every = math.ceil(len(miners) / LABELLED_MAX)
+    labels = [f"uid {row['uid']} {behaviour_label(row['behaviour'])}" if i % every == 0 else ""
+              for i, row in enumerate(miners)]
+    return labels, dict(rotation=90, fontsize=8)
+
+
+def plot_weights(neurons: list[dict], path: Path) -> Figure:
+    """Weight and incentive per miner, labelled ``uid N`` and the (shortened) behaviour; returns the figure."""
     miners = [row for row in neurons if row["role"] == "miner"]
-    figure = Figure(figsize=(6, 3.6), dpi=100)
+    labels, style = weight_labels(miners)
+    figure = Figure(figsize=(6, 4.2 if style else 3.6), dpi=100)
     axes = figure.add_subplot()
     xs = list(range(len(miners)))
     width = 0.4
     axes.bar([x - width / 2 for x in xs], [row["weight"] or 0.0 for row in miners], width, label="weight")
     axes.bar([x + width / 2 for x in xs], [row["incentive"] for row in miners], width, label="incentive")
-    axes.set_xticks(xs, [f"uid {row['uid']}\n{row['behaviour']}" for row in miners])
+    axes.set_xticks(xs, labels, **style)
     axes.set_ylabel("fraction")
     axes.set_title("Validator weight and chain incentive per miner")
     axes.legend()
     axes.grid(axis="y", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path)
+    return figure
+
+
+# Columns whose cells are shortened (characters kept, where the ellipsis goes); the whole value is the cell's title,
+# shown on hover. A behaviour keeps its end: the class name of a module:Class plug-in.
+SHORTENED = {"hotkey": (13, "middle"), "behaviour": (18, "start"), "error": (40, "end")}
 
 
 def _cell(value: Any) -> str:
@@ -215,10 +257,16 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _td(column: str, value: Any) -> str:
+    text = _cell(value)
+    if column in SHORTENED and len(text) > SHORTENED[column][0]:
+        return f'<td title="{html.escape(text)}">{html.escape(shorten(text, *SHORTENED[column]))}</td>'
+    return f"<td>{html.escape(text)}</td>"
+
+
 def _table(rows: list[dict], columns: list[str]) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(row.get(c)))}</td>" for c in columns) + "</tr>"
-                   for row in rows)
+    body = "".join("<tr>" + "".join(_td(c, row.get(c)) for c in columns) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -233,7 +281,8 @@ def render_html(report: dict[str, Any]) -> str:
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>Local network report: {verdict}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;margin-bottom:1.5em}}
-td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} img{{max-width:48%}}</style></head>
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} td[title]{{cursor:help}} img{{max-width:48%}}
+pre{{white-space:pre-wrap;overflow-wrap:anywhere}}</style></head>
 <body><h1>Local network: {verdict}</h1>
 <h2>Checks</h2><ul>{checks}</ul>
 <h2>Plots</h2><img src="loss.png" alt="loss per round"> <img src="weights.png" alt="weight and incentive per uid">

@@ -142,3 +142,15 @@ def test_the_summary_names_checks_and_the_report(tmp_path):
     text = stream.getvalue()
     assert "models_identical NO" in text and text.rstrip().endswith("FAILED")
     assert f"{tmp_path / 'report.html'}" in text and "uid 1   miner     honest" in text
+
+
+def test_with_dashboard_each_neuron_is_given_its_own_port_on_its_command_line(tmp_path):
+    assert not config_from_args(["--out", str(tmp_path / "a")]).dashboard
+    config = config_from_args(["--out", str(tmp_path / "b"), "--dashboard"])
+    assert config.dashboard
+    url = "mock://127.0.0.1:9999"
+    validator = load_script("validator").build_parser().parse_args(
+        neuron_command(config, VALIDATOR, url, tmp_path, 45678)[2:])
+    assert (validator.dashboard_port, validator.dashboard_ip) == (45678, "127.0.0.1")
+    miner = load_script("miner").build_parser().parse_args(neuron_command(config, MINER, url, tmp_path)[2:])
+    assert miner.dashboard_port == 0  # no port given: no dashboard

@@ -3,17 +3,23 @@ honest miners, the three checks (each shown failing on its own), neuron rows fro
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from template.localnet.report import (
     REPORT_FILES,
     ChainSnapshot,
     NeuronInfo,
+    behaviour_label,
     build_report,
     parse_events,
+    plot_weights,
     read_events,
+    render_html,
+    shorten,
     write_report,
 )
 
@@ -143,3 +149,36 @@ def test_a_failed_report_says_so_in_the_html(tmp_path):
     write_report(report, tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert "Local network: FAILED" in page and "weights_on_chain: <b>NO</b>" in page
+
+
+def tick_boxes(figure):
+    """The pixel boxes of the x tick labels, as drawn into the PNG (Agg, the figure's own size and dpi)."""
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    return [label.get_window_extent(renderer) for label in figure.axes[0].get_xticklabels() if label.get_text()]
+
+
+@pytest.mark.parametrize("miners", [3, 8, 64])
+def test_weights_plot_labels_never_overlap_with_long_behaviour_names(tmp_path, miners):
+    rows = [dict(uid=uid, role="miner", behaviour=f"tests.integration.copy_behaviours:CopyFromTheBestMinerUid{uid}",
+                 weight=1 / miners, incentive=1 / miners) for uid in range(1, miners + 1)]
+    figure = plot_weights(rows, tmp_path / "weights.png")
+    boxes = tick_boxes(figure)
+    assert len(boxes) == {3: 3, 8: 8, 64: 32}[miners]  # of 64 miners, every second one is labelled
+    for left, right in itertools.pairwise(boxes):
+        assert not left.overlaps(right), (left, right)
+    width, _ = figure.canvas.get_width_height()
+    assert all(box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 for box in boxes)  # inside the picture
+
+
+def test_long_hotkeys_and_behaviours_are_shortened_in_the_html_with_the_full_text_on_hover():
+    hotkey = "5FHneW46xGXgs5mUiveU4sbTyGBzmstUspZC92UhjJM694ty"
+    behaviour = "tests.integration.copy_behaviours:CopyFromTheBestMinerUid1"
+    neurons = [NeuronInfo("miner1", "miner", 1, hotkey, behaviour), NeuronInfo("validator", "validator", 0, "5Val")]
+    page = render_html(build_report(neurons, {}, healthy_chain()))
+    assert f'<td title="{hotkey}">{shorten(hotkey, 13)}</td>' in page
+    assert shorten(hotkey, 13) == "5FHneW…M694ty"
+    assert f'<td title="{behaviour}">…mTheBestMinerUid1</td>' in page and "<td>5Val</td>" in page
+    assert shorten("abcdefgh", 5, "start") == "…efgh" and shorten("abcdefgh", 5, "end") == "abcd…"
+    assert behaviour_label(behaviour) == "CopyFromThe…" and behaviour_label("honest") == "honest"
