@@ -7,15 +7,17 @@ per peer/rank on 127.0.0.1:
 
 - gloo: ``init_process_group("gloo", init_method="tcp://127.0.0.1:PORT")``, ``GLOO_SOCKET_IFNAME=lo``; a barrier,
   then ``all_reduce`` + divide by N; the time of a repeat is the slowest rank's.
-- hivemind: each peer is its own process with its own DHT (``start_dht``: loopback only). The group is formed
-  first (``begin()``, then wait until the step awaits its trigger), then every peer calls ``finish()`` at the
-  same instant; the time of a repeat is from that instant to the last peer having its result (matchmaking
-  excluded; loading the buffers and reading the result back included).
+- hivemind: each peer is its own process with its own DHT (``start_dht``: loopback only). Each peer encodes its
+  contribution once (timed apart: ``encode_s``), commits to it and forms the group (``begin()``, then wait until the
+  step awaits its trigger), then every peer calls ``finish()`` at the same instant; the time of a repeat is from
+  that instant to the last peer having its result, confirmation included (matchmaking excluded; ``with_encode_s``
+  adds the slowest peer's encoding).
 
 Reported per (peers, size, codec): median time of the repeats and its ratio to gloo's float32 time, the max
 abs error of the result vs the exact (float64) mean, whether all peers hold bit-identical results, and the bytes
-each peer sent vs the butterfly/ring bound 2(N−1)/N × size × 4 bytes. A short ``part_size_bytes`` sweep is run
-for the default codec on the largest default config below 50M values.
+each peer sent vs the butterfly/ring bound 2(N−1)/N × size × 4 bytes. A short sweep of the codec's
+``segment_values`` (the unit of the butterfly) is run for the default codec on the largest default config below
+50M values.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ def hivemind_worker(rank: int, world: int) -> None:
 
     from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
     from template.training.averaging import AveragingConfig, PseudoGradientAverager
+    from template.training.codecs import get_codec
 
     torch.set_num_threads(threads_per_peer(world))
     setup_logging()
@@ -167,24 +170,29 @@ def hivemind_worker(rank: int, world: int) -> None:
                     prefix=command["prefix"], target_group_size=world, min_group_size=world,
                     matchmaking_time=command["matchmaking_time"], request_timeout=command["matchmaking_time"] / 2,
                     allreduce_timeout=command["timeout"], next_chunk_timeout=command["timeout"] / 4,
-                    part_size_bytes=command["part_size_bytes"], compression=command["codec"],
+                    compression=command["codec"],
                 )
-                averager = PseudoGradientAverager(dht, [torch.Size([size])], config)
+                codec = get_codec(command["codec"], segment_values=command["segment_values"])
+                averager = PseudoGradientAverager(dht, [torch.Size([size])], config, codec=codec)
                 reply(event="setup")
-            elif kind == "arm":  # form the group now; the tensors are handed over at "go"
+            elif kind == "arm":  # encode and commit our contribution, form the group; the all-reduce runs at "go"
                 vector = make_tensor(rank, command["repeat"], size)
+                encoding = time.perf_counter()
+                contribution = averager.contribute([vector])
+                encode_s = time.perf_counter() - encoding
                 deadline = time.time() + command["timeout"]
-                handle = averager.begin(1.0, {"rank": rank}, time.time() + command["matchmaking_time"], deadline)
+                handle = averager.begin(contribution, 1.0, {"rank": rank}, time.time() + command["matchmaking_time"],
+                                        deadline)
                 while handle.control.stage != AveragingStage.AWAITING_TRIGGER and time.time() < deadline:
                     if handle.control.done():
                         break
                     time.sleep(0.01)
-                reply(event="armed", stage=handle.control.stage.name)
+                reply(event="armed", stage=handle.control.stage.name, encode_s=encode_s)
             elif kind == "go":
                 roles = {os.getpid(): "host", dht.pid: "dht"}
                 time.sleep(max(command["at"] - time.time(), 0.0))
                 cpu_before = cpu_seconds_by_role(roles)
-                result = averager.finish(handle, [vector], handle.deadline)
+                result = averager.finish(handle, handle.deadline)
                 ended = time.time()
                 cpu_after = cpu_seconds_by_role(roles)
                 cpu = {role: cpu_after[role] - cpu_before.get(role, 0.0) for role in cpu_after}
@@ -325,12 +333,12 @@ class HivemindGroup:
             worker.send(**command)
         return [worker.reply(timeout_s) for worker in self.workers]
 
-    def measure(self, size: int, codec: str, part_size_bytes: int, repeats: int, warmup: int) -> dict[str, Any]:
+    def measure(self, size: int, codec: str, segment_values: int, repeats: int, warmup: int) -> dict[str, Any]:
         """Set up one averager per peer, run warmup + repeats all-reduces, tear down."""
-        self._all(120, cmd="setup", size=size, codec=codec, part_size_bytes=part_size_bytes,
+        self._all(120, cmd="setup", size=size, codec=codec, segment_values=segment_values,
                   prefix=f"bench{uuid.uuid4().hex[:10]}", matchmaking_time=self.matchmaking_time,
                   timeout=self.timeout_s)
-        times, failures, check, cpu = [], [], {}, {}
+        times, encodes, failures, check, cpu = [], [], [], {}, {}
         try:
             for repeat in range(warmup + repeats):
                 stages = self._all(self.timeout_s, cmd="arm", repeat=repeat, matchmaking_time=self.matchmaking_time,
@@ -348,20 +356,23 @@ class HivemindGroup:
                                  bytes_sent_per_peer=max(r["bytes_sent"] for r in results))
                 if repeat >= warmup:
                     times.append(max(r["end"] for r in results) - at)
+                    encodes.append(max(s["encode_s"] for s in stages))
                     cpu = {role: round(sum(r["cpu_s"].get(role, 0.0) for r in results), 3)
                            for role in sorted({role for r in results for role in r["cpu_s"]})}
         finally:
             self._all(60, cmd="teardown")
         # cpu: CPU seconds of the last timed repeat, all peers together, by process (host = the caller's process)
         return dict(times_s=times, seconds=median(times) if times else None, failures=failures,
+                    encode_s=median(encodes) if encodes else None,
+                    with_encode_s=median([t + e for t, e in zip(times, encodes, strict=True)]) if times else None,
                     cpu_s_last_repeat=cpu, **check)
 
 
-def row(world: int, size: int, codec: str, part_size_bytes: int, gloo: dict, measured: dict) -> dict[str, Any]:
+def row(world: int, size: int, codec: str, segment_values: int, gloo: dict, measured: dict) -> dict[str, Any]:
     """One result line: hivemind's measurement next to gloo's for the same peers and size."""
     bound = butterfly_bytes(size, world, 4)
     return dict(
-        peers=world, size=size, codec=codec, part_size_bytes=part_size_bytes,
+        peers=world, size=size, codec=codec, segment_values=segment_values,
         gloo_s=gloo["seconds"], gloo_max_abs_error=gloo["max_abs_error"],
         hivemind_over_gloo=ratio(measured["seconds"], gloo["seconds"]) if measured["seconds"] else None,
         float32_bound_bytes=round(bound),
@@ -383,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--codecs", default="none,fp16,int8")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (median); default 3, --quick 1")
     parser.add_argument("--warmup", type=int, default=None, help="untimed repeats first; default 1, --quick 0")
-    parser.add_argument("--part-size-sweep", default=None,
-                        help="part_size_bytes values for the default codec (default 131072,524288,2097152,8388608)")
+    parser.add_argument("--segment-sweep", default=None,
+                        help="segment_values for the default codec (default 32768,131072,524288,2097152)")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--timeout", type=float, default=300.0, help="bound of one all-reduce, seconds")
     parser.add_argument("--worker", choices=["gloo", "hivemind"], help=argparse.SUPPRESS)
@@ -404,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging()
     from template.training.averaging import AveragingConfig
+    from template.training.codecs import get_codec
 
     quick = args.quick
     sizes = parse_ints(args.sizes or ("100000" if quick else "1000000,10000000,50000000"))
@@ -411,13 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     codecs = args.codecs.split(",")
     repeats = args.repeats or (1 if quick else 3)
     warmup = args.warmup if args.warmup is not None else (0 if quick else 1)
-    default_codec, default_part = AveragingConfig.compression, AveragingConfig.part_size_bytes
-    sweep = parse_ints(args.part_size_sweep or ("" if quick else "131072,524288,2097152,8388608"))
+    default_codec = AveragingConfig.compression
+    default_part = get_codec(default_codec).segment_values
+    sweep = parse_ints(args.segment_sweep or ("" if quick else "32768,131072,524288,2097152"))
     sweep_size = max([s for s in sizes if s < 50_000_000] or sizes)
     result: dict[str, Any] = dict(
         benchmark="allreduce", machine=machine_info(), quick=quick,
         settings=dict(sizes=sizes, peers=peer_counts, codecs=codecs, repeats=repeats, warmup=warmup,
-                      default_codec=default_codec, default_part_size_bytes=default_part,
+                      default_codec=default_codec, default_segment_values=default_part,
                       matchmaking_time=args.matchmaking_time, threads_per_peer={n: threads_per_peer(n)
                                                                                 for n in peer_counts}),
     )
@@ -437,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row(world, size, codec, default_part, gloo[size], measured))
                 if size == sweep_size and world == max(peer_counts):
                     for part in sweep:
-                        log.info("part-size sweep: %d peers, %d values, %s, %d bytes", world, size, default_codec, part)
+                        log.info("segment sweep: %d peers, %d values, %s, %d values", world, size, default_codec, part)
                         measured = group.measure(size, default_codec, part, repeats, 0)
                         sweep_rows.append(row(world, size, default_codec, part, gloo[size], measured))
         finally:
@@ -445,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             for worker in gloo_group.workers:
                 worker.kill()
     result["rows"] = rows
-    result["part_size_sweep"] = sweep_rows
+    result["segment_sweep"] = sweep_rows
     default_rows = [r for r in rows if r["codec"] == default_codec and r["hivemind_over_gloo"] is not None]
     worst = max((r["hivemind_over_gloo"] for r in default_rows), default=None)
     result["summary"] = dict(

@@ -81,7 +81,7 @@ def measure(preset: str, batch_size: int, miners: int, steps: int, repeats: int)
     scorer = RoundScorer(LossProbe(model, corpus, 8, "cpu"), WindowSampler(assignment, steps * 8, seed=1),
                          [t.shape for t in theta], integrity=IntegrityConfig(), scoring=ScoringConfig(),
                          sketch_seed=1)
-    candidates = [Candidate(f"miner-{i}", i, delta, theta_hash, 5, participated=True)
+    candidates = [Candidate(f"miner-{i}", i, delta, theta_hash, 5, coverage=1.0)
                   for i, delta in enumerate(deltas)]
     started = time.perf_counter()
     verdicts = scorer.score(RoundContext(0, theta, theta_hash, None, 0, 10), candidates)

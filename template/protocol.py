@@ -7,16 +7,18 @@ Wire forms (JSON and safetensors only, never pickle):
   dataclass's fields. The miner's hotkey signs :meth:`PublicationMeta.signing_bytes`: a domain tag followed by the
   *canonical* JSON of every field except ``signature`` (sorted keys, no spaces, ASCII, floats as Python's shortest
   round-trip repr), so a validator re-derives the exact signed bytes from the decoded fields.
-- The payload: safetensors bytes of ``{name: tensor}`` in the codec's dtype (``fp32`` or ``fp16``); its sha256, the
-  names and the shapes are in the signed metadata.
+- The payload: exactly the bytes the miner fed into the round's all-reduce — its contribution's encoded segments,
+  concatenated (:mod:`template.training.contribution`). The signed metadata carries their sha256, the model's names
+  and shapes, the codec that encoded them, and the miner's signed contribution *commitment* (whose Merkle root the
+  segments must hash to): what a validator scores is what the miner contributed.
 
-Guarantees on malformed input: every ``decode``/``from_dict`` and :func:`decode_payload` either returns a fully
+Guarantees on malformed input: every ``decode``/``from_dict`` and :func:`check_payload` either returns a fully
 validated object or raises :class:`ProtocolError` with a message saying what was wrong — never another exception
 type, whatever the bytes (wrong types, out-of-range numbers, NaN, unknown or missing fields, deep nesting, invalid
 UTF-8, truncation). Sizes are checked *before* parsing: metadata above :data:`MAX_META_BYTES`, requests above
-:data:`MAX_REQUEST_BYTES` and payloads above the caller's limit are refused unread. Non-finite tensor values are
-*not* an encoding error: they are returned to the caller and counted in :attr:`DecodedPayload.nonfinite`, because
-validators must score them rather than lose them as a transport failure.
+:data:`MAX_REQUEST_BYTES` and payloads above the caller's limit are refused unread. What the segments decode to
+(including non-finite values, which validators must score rather than lose as a transport failure) is the
+validator's business, with the run's codec.
 """
 
 from __future__ import annotations
@@ -30,38 +32,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from bittensor.sp_core import ss58_decode
-from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
 
 __all__ = [
-    "CODECS",
-    "DTYPES",
     "MAX_META_BYTES",
     "MAX_REASON_CHARS",
     "MAX_REPLY_BYTES",
     "MAX_REQUEST_BYTES",
     "PROTOCOL_VERSION",
-    "DecodedPayload",
-    "EncodedPayload",
     "FetchReply",
     "FetchRequest",
     "ProtocolError",
     "PublicationMeta",
     "ReplyStatus",
-    "decode_payload",
-    "dtype_name",
-    "encode_payload",
+    "check_payload",
     "payload_size_limit",
 ]
 
-PROTOCOL_VERSION = 1
-
-# Wire codec -> dtype of the tensors inside the safetensors payload.
-CODECS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
-# Dtype the publisher's pseudo-gradient had; decoded tensors are returned in it.
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROTOCOL_VERSION = 2  # 2: the payload is the contribution's encoded segments, bound by a signed commitment
 
 MAX_META_BYTES = 1 << 20  # ~100x the metadata of a 1B-parameter Llama (a few hundred names)
 MAX_REQUEST_BYTES = 1024
@@ -74,8 +62,11 @@ MAX_NUMEL = 1 << 36  # 64 Gi values: far above any model this subnet trains, far
 U32_MAX = (1 << 32) - 1
 MAX_TOKENS = (1 << 53) - 1  # exact in a JSON double
 MAX_LOSS = 1e6
+MAX_CODEC_CHARS = 200
+_COMMITMENT_FIELDS = {"scope": str, "round": int, "codec": str, "numel": int, "root": str, "key": str,
+                      "signature": str}
 
-_SIGNING_DOMAIN = b"diloco-subnet/publication-meta/v1\n"  # a signature here can never pass as another message's
+_SIGNING_DOMAIN = b"diloco-subnet/publication-meta/v2\n"  # a signature here can never pass as another message's
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX128 = re.compile(r"[0-9a-f]{128}")
 
@@ -152,6 +143,18 @@ def _shapes(value: Any, count: int) -> tuple[tuple[int, ...], ...]:
     return tuple(shapes)
 
 
+def _commitment(value: Any) -> None:
+    """The shape of a contribution commitment's wire form (its meaning is checked by whoever verifies it)."""
+    if not isinstance(value, Mapping) or set(value) != set(_COMMITMENT_FIELDS):
+        raise ProtocolError(f"commitment must be an object with exactly {sorted(_COMMITMENT_FIELDS)}")
+    for key, kind in _COMMITMENT_FIELDS.items():
+        item = value[key]
+        if kind is int:
+            _int(f"commitment {key}", item, 0, MAX_NUMEL)
+        else:
+            _str(f"commitment {key}", item, 2 * MAX_CODEC_CHARS)
+
+
 def _choice(name: str, value: Any, allowed: Iterable[str]) -> str:
     allowed = tuple(allowed)
     if value not in allowed:
@@ -211,9 +214,11 @@ def _canonical_json(document: Mapping) -> bytes:
 class PublicationMeta:
     """What a miner says about its pseudo-gradient Δ for one round; signed by its hotkey (``signature``, hex).
 
-    ``names``/``shapes`` list the tensors in ``model.parameters()`` order; ``dtype`` is Δ's dtype and ``codec`` the
-    wire encoding; ``payload_sha256`` binds the payload bytes to this signature. ``signature`` is ``""`` until
-    signed. Construction validates every field (ProtocolError), so an instance is always well-formed.
+    ``names``/``shapes`` list the tensors in ``model.parameters()`` order; ``codec`` names the encoding of the
+    payload's segments (with its settings); ``commitment`` is the miner's signed commitment to those segments, in the
+    wire form of :class:`template.training.contribution.Commitment` (checked for shape here, for its signature and
+    root by the validator); ``payload_sha256`` binds the payload bytes to this signature. ``signature`` is ``""``
+    until signed. Construction validates every field (ProtocolError), so an instance is always well-formed.
     """
 
     version: int
@@ -227,8 +232,8 @@ class PublicationMeta:
     payload_sha256: str
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    dtype: str
     codec: str
+    commitment: dict
     published_at_block: int
     signature: str = ""
 
@@ -245,8 +250,8 @@ class PublicationMeta:
         names = _names(self.names)
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "shapes", _shapes(self.shapes, len(names)))
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("codec", self.codec, CODECS)
+        _str("codec", self.codec, MAX_CODEC_CHARS)
+        _commitment(self.commitment)
         _int("published_at_block", self.published_at_block, 0, U32_MAX)
         if self.signature != "":
             _hex("signature", self.signature, _HEX128)
@@ -255,7 +260,12 @@ class PublicationMeta:
         document = dataclasses.asdict(self)
         document["names"] = list(self.names)
         document["shapes"] = [list(shape) for shape in self.shapes]
+        document["commitment"] = dict(self.commitment)
         return document
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes)
 
     def signing_bytes(self) -> bytes:
         """The exact bytes the hotkey signs: a domain tag + canonical JSON of every field but ``signature``."""
@@ -353,69 +363,20 @@ class FetchReply:
         return cls(**{**document, "meta": meta})
 
 
-# --- tensor payload ---------------------------------------------------------------------------------------------
+# --- payload ------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class EncodedPayload:
-    """Safetensors bytes plus what the metadata must say about them."""
-
-    data: bytes
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    sha256: str
+def payload_size_limit(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> int:
+    """The most bytes an honest payload for this layout can take: every codec encodes a value in at most 4 bytes
+    (``none`` is raw float32), plus a little per-segment overhead. Used as the default hard limit, so a payload is
+    refused unread when it is larger than its own metadata allows."""
+    numel = sum(math.prod(shape) for shape in _shapes(shapes, len(_names(names))))
+    return 4 * numel + 4096
 
 
-@dataclass(frozen=True)
-class DecodedPayload:
-    """Verified tensors in metadata order (in the metadata's ``dtype``), with non-finite counts per tensor name."""
-
-    tensors: dict[str, torch.Tensor]
-    nonfinite: dict[str, int]  # only tensors with at least one NaN/inf
-
-    @property
-    def all_finite(self) -> bool:
-        return not self.nonfinite
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The metadata ``dtype`` string for a torch dtype (ProtocolError for dtypes the protocol does not carry)."""
-    for name, candidate in DTYPES.items():
-        if candidate == dtype:
-            return name
-    raise ProtocolError(f"tensors of dtype {dtype} cannot be published (use one of {tuple(DTYPES)})")
-
-
-def payload_size_limit(names: Sequence[str], shapes: Sequence[Sequence[int]], codec: str) -> int:
-    """The most bytes an honest safetensors payload for this layout can take: data + a generous header bound.
-
-    Used as the default hard limit, so a payload is refused unread when it is larger than its own metadata allows.
-    """
-    itemsize = torch.empty((), dtype=CODECS[_choice("codec", codec, CODECS)]).element_size()
-    data = sum(math.prod(shape) for shape in shapes) * itemsize
-    # Per entry: the quoted (possibly \u-escaped) name, dtype, shape and two offsets of up to 20 digits each.
-    header = sum(6 * len(name) + 96 + 21 * len(shape) for name, shape in zip(names, shapes, strict=True)) + 64
-    return 8 + header + 8 + data  # length prefix, header, alignment padding, data
-
-
-def encode_payload(named_tensors: Iterable[tuple[str, torch.Tensor]], codec: str) -> EncodedPayload:
-    """Tensors (in parameter order) → safetensors bytes in the codec's dtype. Copies: shared storage is fine."""
-    wire_dtype = CODECS[_choice("codec", codec, CODECS)]
-    pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    names = _names([name for name, _ in pairs])
-    tensors = {name: t.detach().to(device="cpu", dtype=wire_dtype, copy=True).contiguous() for name, t in pairs}
-    shapes = _shapes([list(t.shape) for t in tensors.values()], len(names))
-    data = safetensors_save(tensors)
-    return EncodedPayload(data=data, names=names, shapes=shapes, sha256=hashlib.sha256(data).hexdigest())
-
-
-def decode_payload(data: bytes, meta: PublicationMeta, *, max_bytes: int | None = None) -> DecodedPayload:
-    """Check size (before parsing), sha256, names, shapes and dtype against ``meta``; return the tensors.
-
-    ``max_bytes`` defaults to :func:`payload_size_limit` of the metadata's own layout; a caller passes a smaller
-    one when it knows the model it expects.
-    """
-    limit = payload_size_limit(meta.names, meta.shapes, meta.codec)
+def check_payload(data: Any, meta: PublicationMeta, *, max_bytes: int | None = None) -> bytes:
+    """Check the payload's size (before anything else) and its sha256 against ``meta``; return it as bytes."""
+    limit = payload_size_limit(meta.names, meta.shapes)
     limit = limit if max_bytes is None else min(limit, max_bytes)
     if not isinstance(data, (bytes, bytearray)):
         raise ProtocolError(f"payload must be bytes, got {type(data).__name__}")
@@ -424,24 +385,4 @@ def decode_payload(data: bytes, meta: PublicationMeta, *, max_bytes: int | None 
     digest = hashlib.sha256(data).hexdigest()
     if digest != meta.payload_sha256:
         raise ProtocolError(f"payload sha256 {digest[:16]}… does not match the signed {meta.payload_sha256[:16]}…")
-    try:
-        loaded = safetensors_load(bytes(data))
-    except Exception as err:  # SafetensorError and friends: the bytes are not a safetensors file
-        raise ProtocolError(f"payload is not valid safetensors: {str(err)[:200]}") from None
-    if set(loaded) != set(meta.names):
-        missing, extra = sorted(set(meta.names) - set(loaded)), sorted(set(loaded) - set(meta.names))
-        raise ProtocolError(f"payload tensors differ from the metadata: missing {missing[:5]}, extra {extra[:5]}")
-    wire_dtype, out_dtype = CODECS[meta.codec], DTYPES[meta.dtype]
-    tensors: dict[str, torch.Tensor] = {}
-    nonfinite: dict[str, int] = {}
-    for name, shape in zip(meta.names, meta.shapes, strict=True):
-        tensor = loaded[name]
-        if tuple(tensor.shape) != shape:
-            raise ProtocolError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the metadata says {shape}")
-        if tensor.dtype != wire_dtype:
-            raise ProtocolError(f"tensor {name!r} is {tensor.dtype}, codec {meta.codec} means {wire_dtype}")
-        bad = int((~torch.isfinite(tensor)).sum())
-        if bad:
-            nonfinite[name] = bad
-        tensors[name] = tensor.to(out_dtype)
-    return DecodedPayload(tensors=tensors, nonfinite=nonfinite)
+    return bytes(data)

@@ -1,24 +1,33 @@
-"""Miner behaviours: what a miner trains on and what it publishes each round, chosen with ``--miner.behaviour``.
+"""Miner behaviours: what a miner trains, contributes and publishes each round, chosen with ``--miner.behaviour``.
 
 The default, :class:`Honest`, is plain DiLoCo: H inner steps on the windows assigned to this hotkey for the round,
-then it publishes exactly the pseudo-gradient Δ it contributed to the all-reduce. The others are the attacks the
-validator must defeat; the validator tests run them, and researchers use the same hook for new attacks or training
-strategies (``--miner.behaviour my_module:MyBehaviour``, a subclass of :class:`MinerBehaviour`).
+then it contributes its pseudo-gradient Δ to the all-reduce and publishes exactly the bytes it contributed. The others
+are the attacks the validator must defeat; the validator tests run them, and researchers use the same hooks for new
+attacks or training strategies (``--miner.behaviour my_module:MyBehaviour``, a subclass of :class:`MinerBehaviour`).
 
-| name         | trains                              | publishes                                  |
-|--------------|-------------------------------------|--------------------------------------------|
-| honest       | its assigned windows, H steps       | its Δ                                      |
-| freerider    | nothing                             | zeros                                      |
-| noise        | nothing                             | random noise scaled to the last honest norm|
-| scaled       | its assigned windows                | its Δ × ``factor`` (10)                     |
-| stale        | its assigned windows                | the Δ it published ``lag`` (2) rounds ago   |
-| overfitter   | one fixed batch, over and over      | its Δ                                      |
-| copycat      | nothing                             | the group's averaged Δ̄ of the round, plus small noise |
+| name           | trains                           | contributes to the all-reduce          | publishes              |
+|----------------|----------------------------------|----------------------------------------|------------------------|
+| honest         | its assigned windows, H steps    | its Δ                                  | what it contributed    |
+| freerider      | nothing                          | zeros                                  | what it contributed    |
+| noise          | nothing                          | noise of the last Δ̄'s norm             | what it contributed    |
+| scaled         | its assigned windows             | its Δ × ``factor`` (10)                 | what it contributed    |
+| stale          | its assigned windows             | its Δ of ``lag`` (2) rounds ago         | what it contributed    |
+| overfitter     | one fixed batch, over and over   | its Δ                                  | what it contributed    |
+| copycat        | nothing                          | the last Δ̄ it received, + small noise  | what it contributed    |
+| twofaced       | its assigned windows             | −Δ                                     | Δ                      |
+| twofaced-zero  | its assigned windows             | ~0 (1e-6 × Δ), its tokens claimed       | Δ                      |
+| equivocator    | its assigned windows             | segments other than those it committed | what it committed      |
+| liar-reducer   | its assigned windows             | its Δ; as an owner, wrong averages     | what it contributed    |
+| framer         | its assigned windows             | its Δ; as an owner, refuses a sender   | what it contributed    |
 
-A behaviour is two functions of values: :meth:`MinerBehaviour.plan` turns the engine's plain plan for a round into
-what this miner trains (steps, windows), and :meth:`MinerBehaviour.publication` picks what to publish from the
-round's outcome. It never touches the all-reduce protocol itself: what it trains is what it contributes there (so a
-free-rider contributes a zero Δ with zero tokens), and the averager's own checks bound what it can do to others.
+A behaviour is a few functions of values: :meth:`MinerBehaviour.plan` turns the engine's plain plan for a round into
+what this miner trains (steps, windows); :meth:`MinerBehaviour.contribution` chooses what enters the all-reduce —
+encoded once, committed by the hotkey and sent as exactly those bytes; :meth:`MinerBehaviour.publication` may publish
+something other than the contribution (validators then see that the publication is not what went in);
+:meth:`MinerBehaviour.after_round` sees each round's outcome. :attr:`MinerBehaviour.allreduce_faults` are
+misbehaviours inside the all-reduce protocol (:class:`~template.training.allreduce_runner.AllReduceFaults`).
+Since a contribution is committed before the round's average exists, no behaviour can contribute the current round's
+Δ̄: copies can only be of what a miner has (an older Δ̄, a leaked Δ, its own old Δ).
 """
 
 from __future__ import annotations
@@ -29,22 +38,30 @@ from dataclasses import replace
 
 import torch
 
+from template.training.allreduce_runner import AllReduceFaults
 from template.training.round import RoundOutcome, RoundPlan, Tensors
 
 
 class MinerBehaviour:
-    """Base class: honest DiLoCo. Override ``plan`` (what to train) and/or ``publication`` (what to publish)."""
+    """Base class: honest DiLoCo. Override what differs (module docstring)."""
 
     name = "honest"
+    allreduce_faults = AllReduceFaults()
 
     def plan(self, plan: RoundPlan) -> RoundPlan:
         """What to train this round, given the plain DiLoCo plan (H steps on the assigned windows)."""
         return plan
 
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        """What enters round ``round``'s all-reduce, given this miner's Δ."""
+        return delta
+
     def publication(self, outcome: RoundOutcome) -> Tensors | None:
-        """The tensors to publish for ``outcome.round``: ``outcome.delta`` is what this miner contributed,
-        ``outcome.averaged`` the group's Δ̄ (None when the all-reduce failed). None publishes nothing."""
-        return outcome.delta
+        """Tensors to publish *instead of* the contribution (None: publish exactly what was contributed)."""
+        return None
+
+    def after_round(self, outcome: RoundOutcome) -> None:
+        """Called with every round's outcome (for behaviours that remember)."""
 
 
 class Honest(MinerBehaviour):
@@ -55,36 +72,51 @@ def _trains_nothing(plan: RoundPlan) -> RoundPlan:
     return replace(plan, max_steps=0)
 
 
+def _noise_like(tensors: Tensors, scale: float, generator: torch.Generator) -> Tensors:
+    """Per tensor: random noise with ``scale`` × that tensor's norm."""
+    noise = []
+    for t in tensors:
+        sample = torch.randn(t.shape, generator=generator)
+        noise.append(sample * (scale * t.norm() / sample.norm().clamp_min(1e-12)))
+    return noise
+
+
+class _RemembersAverage(MinerBehaviour):
+    """Keeps the last Δ̄ it received (copies can only be of what a miner has)."""
+
+    def __init__(self) -> None:
+        self.last_average: Tensors | None = None
+
+    def after_round(self, outcome: RoundOutcome) -> None:
+        if outcome.averaged is not None:
+            self.last_average = [t.clone() for t in outcome.averaged]
+
+
 class FreeRider(MinerBehaviour):
     name = "freerider"
 
     def plan(self, plan: RoundPlan) -> RoundPlan:
         return _trains_nothing(plan)
 
-    def publication(self, outcome: RoundOutcome) -> Tensors | None:
-        return None if outcome.delta is None else [torch.zeros_like(t) for t in outcome.delta]
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        return [torch.zeros_like(t) for t in delta]
 
 
-class Noise(MinerBehaviour):
-    """Random Δ of an honest-looking norm (the norm of the group's average, per tensor)."""
+class Noise(_RemembersAverage):
+    """Random Δ of an honest-looking norm (the norm of the last Δ̄ it received, per tensor)."""
 
     name = "noise"
 
     def __init__(self, seed: int = 0) -> None:
+        super().__init__()
         self._generator = torch.Generator().manual_seed(seed)
 
     def plan(self, plan: RoundPlan) -> RoundPlan:
         return _trains_nothing(plan)
 
-    def publication(self, outcome: RoundOutcome) -> Tensors | None:
-        reference = outcome.averaged if outcome.averaged is not None else outcome.delta
-        if reference is None:
-            return None
-        noise = []
-        for ref in reference:
-            sample = torch.randn(ref.shape, generator=self._generator)
-            noise.append(sample * (ref.norm() / sample.norm().clamp_min(1e-12)))
-        return noise
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        reference = self.last_average if self.last_average is not None else [torch.ones_like(t) for t in delta]
+        return _noise_like(reference, 1.0, self._generator)
 
 
 class Scaled(MinerBehaviour):
@@ -93,8 +125,8 @@ class Scaled(MinerBehaviour):
     def __init__(self, factor: float = 10.0) -> None:
         self.factor = factor
 
-    def publication(self, outcome: RoundOutcome) -> Tensors | None:
-        return None if outcome.delta is None else [t * self.factor for t in outcome.delta]
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        return [t * self.factor for t in delta]
 
 
 class Stale(MinerBehaviour):
@@ -105,10 +137,8 @@ class Stale(MinerBehaviour):
     def __init__(self, lag: int = 2) -> None:
         self._history: deque[Tensors] = deque(maxlen=lag + 1)
 
-    def publication(self, outcome: RoundOutcome) -> Tensors | None:
-        if outcome.delta is None:
-            return None
-        self._history.append([t.clone() for t in outcome.delta])
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        self._history.append([t.clone() for t in delta])
         return self._history[0]
 
 
@@ -127,27 +157,90 @@ class Overfitter(MinerBehaviour):
         return replace(plan, windows=self._batch * plan.max_steps)
 
 
-class Copycat(MinerBehaviour):
-    """Does no work and publishes the group's Δ̄ (which every group member receives) with a little noise."""
+class Copycat(_RemembersAverage):
+    """Does no work and contributes the last Δ̄ it received (the freshest average it can have) with a little noise."""
 
     name = "copycat"
 
     def __init__(self, noise_scale: float = 1e-3, seed: int = 0) -> None:
+        super().__init__()
         self.noise_scale = noise_scale
         self._generator = torch.Generator().manual_seed(seed)
 
     def plan(self, plan: RoundPlan) -> RoundPlan:
         return _trains_nothing(plan)
 
-    def publication(self, outcome: RoundOutcome) -> Tensors | None:
-        source = outcome.averaged if outcome.averaged is not None else outcome.delta
-        if source is None:
-            return None
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        source = self.last_average if self.last_average is not None else delta
         return [t + self.noise_scale * t.std().nan_to_num(0.0) * torch.randn(t.shape, generator=self._generator)
                 for t in source]
 
 
-BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Overfitter, Copycat)}
+class _PublishesTheHonestDelta(MinerBehaviour):
+    """Trains honestly and publishes its Δ, whatever it contributed."""
+
+    def __init__(self) -> None:
+        self._delta: Tensors | None = None
+
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        self._delta = [t.clone() for t in delta]
+        return self.poisoned(delta)
+
+    def poisoned(self, delta: Tensors) -> Tensors:
+        raise NotImplementedError
+
+    def publication(self, outcome: RoundOutcome) -> Tensors | None:
+        return self._delta
+
+
+class TwoFaced(_PublishesTheHonestDelta):
+    """Publishes its honest Δ, contributes −Δ (cancelling an honest miner's work in θ)."""
+
+    name = "twofaced"
+
+    def poisoned(self, delta: Tensors) -> Tensors:
+        return [-t for t in delta]
+
+
+class TwoFacedZero(_PublishesTheHonestDelta):
+    """Publishes its honest Δ, contributes almost nothing while claiming its tokens."""
+
+    name = "twofaced-zero"
+
+    def poisoned(self, delta: Tensors) -> Tensors:
+        return [1e-6 * t for t in delta]
+
+
+class Equivocator(MinerBehaviour):
+    """Commits to its honest Δ, then sends the owners of its segments other bytes (signing what it sends)."""
+
+    name = "equivocator"
+    allreduce_faults = AllReduceFaults(corrupt_segments=True)
+
+
+class LiarReducer(MinerBehaviour):
+    """Trains and contributes honestly; as the owner of segments, returns the negated average to every member."""
+
+    name = "liar-reducer"
+    allreduce_faults = AllReduceFaults(lie="all")
+
+
+class SplitLiarReducer(MinerBehaviour):
+    """As an owner, returns the true average to some members and a wrong one to the others (signing both)."""
+
+    name = "liar-reducer-some"
+    allreduce_faults = AllReduceFaults(lie="some")
+
+
+class Framer(MinerBehaviour):
+    """As an owner, refuses another sender's segments claiming it sent other bytes, with a forged proof."""
+
+    name = "framer"
+    allreduce_faults = AllReduceFaults(frame=True)
+
+
+BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Overfitter, Copycat, TwoFaced,
+                                      TwoFacedZero, Equivocator, LiarReducer, SplitLiarReducer, Framer)}
 
 
 def load_behaviour(spec: str) -> MinerBehaviour:

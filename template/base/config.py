@@ -3,7 +3,8 @@
 Each flag maps to one field, and each field says what it is (its ``help``, which ``--help`` prints too), in the spirit
 of torchtitan's job config. The spellings are the ones subnet operators already type in their pm2 scripts
 (``--netuid``, ``--wallet.name``, ``--subtensor.network``, ``--axon.port``, ``--neuron.*``, ``--run.*``,
-``--averaging.*``, ``--validator.*``, ``--miner.behaviour``, ``--wandb.*``, ``--logging.debug``), and stay so.
+``--averaging.*``, ``--validator.*``, ``--miner.behaviour``, ``--dashboard.*``, ``--wandb.*``, ``--logging.debug``),
+and stay so.
 The neuron entry points parse their flags with :func:`add_neuron_args` (+ :func:`add_miner_args` or
 :func:`add_validator_args`) and hand :meth:`NeuronConfig.from_args` to ``template.base``; nothing below the entry
 points reads the raw ``argparse`` namespace. The all-reduce settings are turned into an
@@ -25,10 +26,12 @@ from template.training.cli import (
     add_averaging_args,
     add_run_args,
     averaging_flags_from,
+    codec_from,
     data_config_from,
     dotted,
     run_spec_from,
 )
+from template.training.codecs import SegmentCodec
 from template.training.data import DataConfig
 from template.training.spec import RunSpec
 from template.validation.rewards import RewardConfig
@@ -71,6 +74,19 @@ class NeuronSettings:
 
 
 @dataclass(frozen=True)
+class DashboardConfig:
+    """The neuron's read-only web dashboard (``template/base/dashboard.py``): off unless a port is given."""
+
+    port: int = _help("serve a live dashboard of this neuron on this TCP port (0 = no dashboard)", default=0)
+    ip: str = _help("address the dashboard listens on; keep 127.0.0.1 and reach it through an SSH tunnel",
+                    default="127.0.0.1")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--dashboard.port must be within 0..65535, not {self.port}")
+
+
+@dataclass(frozen=True)
 class MinerSettings:
     """What only a miner is told."""
 
@@ -109,6 +125,7 @@ class NeuronConfig:
     averaging: AveragingFlags
     wandb: WandbConfig
     debug: bool = False
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     miner: MinerSettings | None = None
     validator: ValidatorSettings | None = None
 
@@ -119,10 +136,14 @@ class NeuronConfig:
             chain=chain_args_from(args), axon=_section(AxonConfig, args, "axon"),
             neuron=_section(NeuronSettings, args, "neuron"), run=run_spec_from(args), data=data_config_from(args),
             averaging=averaging_flags_from(args), wandb=WandbConfig.from_args(args),
-            debug=args.logging_debug,
+            debug=args.logging_debug, dashboard=_section(DashboardConfig, args, "dashboard"),
             miner=_section(MinerSettings, args, "miner") if hasattr(args, "miner_behaviour") else None,
             validator=_validator_section(args) if hasattr(args, "validator_eval_windows") else None,
         )
+
+    def codec(self) -> SegmentCodec:
+        """The codec every contribution of the run is encoded with (``--averaging.compression`` and its settings)."""
+        return codec_from(self.averaging)
 
     @property
     def state_dir(self) -> Path:
@@ -177,6 +198,9 @@ def add_neuron_args(parser: argparse.ArgumentParser) -> None:
     _add(neuron, "--neuron.max_rounds", NeuronSettings, "max_rounds", type=int)
     _add(neuron, "--neuron.events_file", NeuronSettings, "events_file")
     _add(neuron, "--neuron.torch_threads", NeuronSettings, "torch_threads", type=int)
+    dashboard = parser.add_argument_group("dashboard (read-only web page of this neuron)")
+    _add(dashboard, "--dashboard.port", DashboardConfig, "port", type=int)
+    _add(dashboard, "--dashboard.ip", DashboardConfig, "ip")
     parser.add_argument("--logging.debug", dest="logging_debug", action="store_true", help="debug logging")
     add_wandb_args(parser)
     add_run_args(parser, dotted)

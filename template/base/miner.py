@@ -1,17 +1,24 @@
 """The miner: DiLoCo rounds on the chain's clock, and the round's pseudo-gradient published to validators.
 
 Every round r (blocks [r·B, (r+1)·B) of the chain): train at most H inner steps on the windows assigned to this
-hotkey for r, stopping early enough for the all-reduce to end by the round's last block; all-reduce with the other
-miners; take the outer step; publish what the behaviour says (honest: the Δ contributed) signed by the hotkey,
-for validators with a permit to fetch; checkpoint. A miner that joins late or missed rounds skips to the chain's
+hotkey for r, stopping early enough for the all-reduce to end by the round's last block; encode what the behaviour
+contributes (honest: Δ, plus the codec's error feedback) once, commit to it with the hotkey and all-reduce exactly
+those bytes with the other miners; take the outer step; publish the same bytes and commitment (a behaviour may
+publish something else: validators then see that it is not what went into the all-reduce) for validators with a
+permit to fetch; checkpoint. A miner that joins late or missed rounds skips to the chain's
 round and re-syncs θ from peers first.
 
 A multi-GPU miner runs under ``torchrun``: rank 0 (the leader) alone talks to the chain and hivemind; each round it
 broadcasts (go, round, train-until, finish-by) to the other ranks, which train data-parallel in lockstep.
 
-On failure: a failed all-reduce leaves θ_r (the engine re-syncs next round) and the round's Δ is still published
-(validators score what the miner did); SIGINT/SIGTERM stop the loop between rounds or at the next inner-step chunk,
-the last checkpoint stays intact, and the publication server and hivemind host are closed.
+On failure: a failed all-reduce leaves θ_r (the engine re-syncs next round) and the round's contribution is still
+published (validators score what reached the shared model: nothing, that round); SIGINT/SIGTERM stop the loop
+between rounds or at the next inner-step chunk, the last checkpoint stays intact, and the publication server and
+hivemind host are closed.
+
+Besides ``ready``, ``round`` and ``stopped``, the miner emits ``progress`` (at most once a second while training),
+``published`` (round, bytes of the published contribution) and ``served`` (round, the fetcher's hotkey): what its
+dashboard shows.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from template.base.config import NeuronConfig
 from template.base.neuron import NeuronContext, StopFlag
 from template.base.telemetry import Telemetry
 from template.p2p.identity import PeerDirectory
+from template.p2p.keys import KeypairSigner
 from template.p2p.publication import AuthDecision, PublicationServer, permit_holders
+from template.training.contribution import Commitment
 from template.training.diloco import DiLoCoPeer
 from template.training.distributed import NodeGroup
 from template.training.round import Progress, RoundOutcome
@@ -35,6 +44,7 @@ log = logging.getLogger(__name__)
 
 # An unknown caller makes the miner re-read the metagraph, but not more often than this (seconds).
 DIRECTORY_REFRESH_S = 1.0
+PROGRESS_EVENT_S = 1.0  # at most one `progress` event per this many seconds
 
 
 class Miner:
@@ -49,25 +59,28 @@ class Miner:
         self.stop = stop
         spec = config.run
         tokenizer, corpus = config.data.load(spec.seq_len, config.state_dir / "cache" if node.is_leader else None)
-        self._round_end = 0.0
+        self._round_end = self._progress_at = 0.0
         self._directory: PeerDirectory | None = None
-        averaging = None
+        averaging = self.signer = None
         if ctx is not None:
             self._directory, self._directory_at = ctx.settled_directory(), time.monotonic()
             averaging = ctx.averaging_config(len(self._directory))
+            self.signer = KeypairSigner(ctx.wallet.hotkey)  # the hotkey commits to every contribution
         self.peer = DiLoCoPeer(
             spec, corpus, tokenizer.vocab_size, peer_key=hotkey, dht=ctx.dht if ctx else None,
             averaging=averaging, device=device, node=node, on_progress=self._progress,
             checkpoint_dir=config.state_dir / "checkpoints",  # every rank reads it at start; the leader alone writes it
+            codec=config.codec(), signer=self.signer, scope=f"netuid{config.chain.netuid}",
+            faults=behaviour.allreduce_faults,
         )
-        self.names = [name for name, _ in self.peer.model.named_parameters()]
+        self.layout = [(name, tuple(p.shape)) for name, p in self.peer.model.named_parameters()]
         self.server = self.p2p = None
         self.telemetry = Telemetry(None)
         if ctx is not None:
             self._permit_holders = permit_holders(lambda: self._directory)
             self.p2p = ctx.runner.run(ctx.dht.replicate_p2p())
-            self.server = PublicationServer(self.p2p, netuid=ctx.netuid, wallet=ctx.wallet,
-                                            authorize=self._authorize)
+            self.server = PublicationServer(self.p2p, netuid=ctx.netuid, wallet=ctx.wallet, authorize=self._authorize,
+                                            on_served=lambda r, hotkey: ctx.emit("served", round=r, hotkey=hotkey))
             ctx.runner.run(self.server.start())
             self.telemetry = Telemetry.open(config.wandb, role="miner", name=f"miner-uid{ctx.uid}",
                                             directory=ctx.state_dir, config=dict(asdict(spec), uid=ctx.uid,
@@ -95,7 +108,8 @@ class Miner:
             if not go:
                 break
             plan = self.peer.plan(round, train_until=train_until_ms / 1000, finish_by=finish_by_ms / 1000)
-            outcome = self.peer.run_round(self.behaviour.plan(plan))
+            outcome = self.peer.run_round(self.behaviour.plan(plan), self.behaviour.contribution)
+            self.behaviour.after_round(outcome)
             if self.ctx is not None:
                 self._publish(outcome)
                 self._refresh_directory()  # who may fetch, and who to average with, as of this round
@@ -133,15 +147,23 @@ class Miner:
         return decision
 
     def _publish(self, outcome: RoundOutcome) -> None:
-        tensors = self.behaviour.publication(outcome)
-        if tensors is None:
+        """Publish exactly the bytes this miner contributed, with its commitment (or, when the behaviour says so,
+        other tensors under a commitment of their own: validators then see they are not what was contributed)."""
+        contribution, commitment = outcome.contribution, outcome.commitment
+        if contribution is None or commitment is None:
             return
+        other = self.behaviour.publication(outcome)
+        if other is not None:
+            contribution = self.peer.averager.contribute(other)
+            commitment = Commitment.sign(self.signer, commitment.scope, commitment.round, contribution)
         report = outcome.report
         self.server.publish(
             round=report.round, base_theta_hash=report.base_theta_hash, tokens=report.tokens,
             inner_steps=report.inner_steps, loss=report.train_loss if report.train_loss is not None else 0.0,
-            named_tensors=dict(zip(self.names, tensors, strict=True)), codec="fp16", block=self.ctx.chain.block(),
+            layout=self.layout, codec=contribution.codec, commitment=commitment.to_wire(),
+            segments=contribution.segments, block=self.ctx.chain.block(),
         )
+        self.ctx.emit("published", round=report.round, bytes=contribution.nbytes)
 
     def _progress(self, progress: Progress) -> None:
         loss = "-" if progress.loss is None else f"{progress.loss:.3f}"
@@ -150,6 +172,9 @@ class Miner:
         print(f"\r\033[Kround {progress.round} step {progress.step}/{progress.of_steps} loss {loss} "
               f"{progress.tokens_per_s:.0f} tok/s, round ends in {left:.0f}s, peers {peers}",
               end="", file=sys.stderr, flush=True)
+        if self.ctx is not None and time.monotonic() - self._progress_at >= PROGRESS_EVENT_S:
+            self._progress_at = time.monotonic()
+            self.ctx.emit("progress", **asdict(progress))
 
     def _report(self, outcome: RoundOutcome) -> None:
         report = outcome.report

@@ -2,9 +2,12 @@
 
 Each chain round r (blocks [r·B, (r+1)·B)):
 
-1. score round r−1: fetch the miners' signed publications of r−1 over the permit-only RPC, and hand them with
-   θ_{r−1}, Δ̄_{r−1} and who took part in that all-reduce to the :class:`~template.validation.round.RoundScorer`
-   (integrity, copies, replays, loss gains on assigned vs unassigned data); fold the round scores into the
+1. score round r−1: fetch the miners' signed publications of r−1 over the permit-only RPC; check that each is exactly
+   the contribution its miner committed to the all-reduce, and audit the all-reduce itself against them
+   (:mod:`template.base.audit`: refusals without proof, conflicting certificates, every averaged segment recomputed);
+   hand the verified contributions with θ_{r−1}, Δ̄_{r−1} and each miner's coverage in that all-reduce to the
+   :class:`~template.validation.round.RoundScorer` (integrity, copies, replays, loss measures); a miner convicted by
+   the audit or whose publication is not its contribution scores 0 with the reason; fold the round into the
    :class:`~template.validation.rewards.ScoreBook` and save it;
 2. set weights from the book (``SetWeights`` with ``template.spec_version`` as the version key) every
    ``--validator.weights_every`` rounds;
@@ -37,6 +40,7 @@ import bittensor as bt
 import torch
 
 import template
+from template.base.audit import audit_allreduce, read_publication
 from template.base.neuron import NeuronContext
 from template.base.telemetry import Telemetry
 from template.p2p.identity import PeerDirectory
@@ -69,11 +73,15 @@ class PendingRound:
 
     @classmethod
     def of(cls, outcome: RoundOutcome, directory: PeerDirectory) -> PendingRound:
-        """What the validator keeps of its (auxiliary) round: θ_r, and Δ̄ with the group only when it took the
-        outer step with them (a failed all-reduce is scored without Δ̄ and participation)."""
-        ok = outcome.report.allreduce_ok
+        """What the validator keeps of its (auxiliary) round: θ_r, Δ̄ when it took the outer step with it, and the
+        all-reduce as it saw it (audited even when the round was refused; coverage counts only when it succeeded)."""
         return cls(outcome.round, outcome.base, outcome.report.base_theta_hash, outcome.averaged,
-                   outcome.averaging if ok else None, directory)
+                   outcome.averaging, directory)
+
+    @property
+    def applied(self) -> AveragingResult | None:
+        """The all-reduce, when it succeeded for the validator (then its group and coverage are the round's)."""
+        return self.result if self.averaged is not None else None
 
 
 class Validator:
@@ -87,8 +95,10 @@ class Validator:
         self.directory = ctx.settled_directory()
         self.peer = DiLoCoPeer(spec, corpus, tokenizer.vocab_size, peer_key=ctx.hotkey, dht=ctx.dht,
                                averaging=ctx.averaging_config(len(self.directory), auxiliary=True),
-                               device=self.config.neuron.device, checkpoint_dir=ctx.state_dir / "checkpoints")
+                               device=self.config.neuron.device, checkpoint_dir=ctx.state_dir / "checkpoints",
+                               codec=self.config.codec(), scope=f"netuid{ctx.netuid}")
         self.layout = [(name, tuple(p.shape)) for name, p in self.peer.model.named_parameters()]
+        self.payload_bytes = sum(self.peer.averager.buffer.segment_sizes)  # a contribution's exact size
         secret = load_or_create_secret(ctx.state_dir / "validator_secret.json")
         self.scorer = RoundScorer(
             LossProbe(self.peer.model, corpus, spec.batch_size, self.config.neuron.device),  # scratch: the round
@@ -106,6 +116,7 @@ class Validator:
                                         directory=ctx.state_dir,
                                         config=dict(dataclasses.asdict(spec), uid=ctx.uid, hotkey=ctx.hotkey))
         self.rounds_scored = 0
+        self._audited = (0, 0)  # segments of the last scored round recomputed, and left unchecked
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -155,25 +166,28 @@ class Validator:
             timeout=max(scoring_deadline - time.time(), 0.0) + self.settings.fetch_timeout + 5,
         )
         fetch_s = time.monotonic() - started
-        participation = self._participation(pending)
+        shapes = [torch.Size(shape) for _, shape in self.layout]
+        contributed = self._contributed(pending)
+        read = {hotkey: read_publication(fetched, self.peer.codec, shapes, self.peer.scope, contributed.get(hotkey))
+                for hotkey, fetched in publications.items() if not isinstance(fetched, str)}
+        accused = self._audit(pending, read)
+        coverage = self._coverage(pending)
+        share = self._share_of_average(pending)
         block = self.ctx.chain.block()
         candidates = []
         for hotkey in chosen:
-            fetched = publications[hotkey]
-            share = participation.get(hotkey, 0.0)
-            participated = None if pending.result is None else share > 0
-            if isinstance(fetched, str):
-                candidates.append(Candidate(hotkey, miners[hotkey].uid, None, fetch_error=fetched,
-                                            participated=participated))
+            fetched, uid = publications[hotkey], miners[hotkey].uid
+            problem = fetched if isinstance(fetched, str) else accused.get(hotkey) or read[hotkey].reason
+            if problem:
+                candidates.append(Candidate(hotkey, uid, None, fetch_error=problem, coverage=coverage.get(hotkey)))
                 continue
-            meta = fetched.meta
-            tensors = [fetched.tensors[name] for name in meta.names]
-            candidates.append(Candidate(hotkey, miners[hotkey].uid, tensors, meta.base_theta_hash,
-                                        meta.published_at_block, participated=participated,
-                                        share_of_average=share))
+            candidates.append(Candidate(hotkey, uid, read[hotkey].tensors, fetched.meta.base_theta_hash,
+                                        fetched.meta.published_at_block, coverage=coverage.get(hotkey),
+                                        share_of_average=share.get(hotkey, 0.0)))
         context = RoundContext(pending.round, pending.theta, pending.theta_hash, pending.averaged,
                                first_block=pending.round * self.ctx.clock.blocks_per_round, last_block=block)
-        verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline)
+        verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline,
+                                     standing=self.book.standing)
         scores = self.book.credit(pending.round, {v.hotkey: v.round_score() for v in verdicts})
         self.book.forget_except(r.hotkey for r in directory)
         self.book.save(self.book_path)
@@ -194,7 +208,7 @@ class Validator:
                 try:
                     return await fetch_publication(self.p2p, peer_id, request, expected_hotkey=hotkey,
                                                    timeout=self.settings.fetch_timeout,
-                                                   expected_layout=self.layout)
+                                                   expected_layout=self.layout, max_bytes=self.payload_bytes)
                 except NotFoundError as err:
                     if time.time() + FETCH_RETRY_S > deadline:
                         return f"not published ({err})"
@@ -205,23 +219,54 @@ class Validator:
         results = await asyncio.gather(*(one(p, h) for p, h in zip(peer_ids, hotkeys, strict=True)))
         return dict(zip(hotkeys, results, strict=True))
 
-    def _participation(self, pending: PendingRound) -> dict[str, float]:
-        """hotkey → its share of the round's Δ̄ (token weight / total), for miners whose parts were included."""
+    def _contributed(self, pending: PendingRound) -> dict[str, dict]:
+        """hotkey → the commitment it gave round r's group (as the validator saw the group)."""
         result = pending.result
         if result is None:
             return {}
-        total = sum(result.weights.values())
-        shares = {}
-        for peer_id, weight in result.weights.items():
-            record = pending.directory.get(peer_id)
-            if record is not None and weight > 0 and result.coverage.get(peer_id, 0.0) >= 0.5 and total > 0:
-                shares[record.hotkey] = weight / total
-        return shares
+        return {record.hotkey: commitment for peer_id, commitment in result.commitments.items()
+                if (record := pending.directory.get(peer_id)) is not None}
+
+    def _audit(self, pending: PendingRound, read: dict) -> dict[str, str]:
+        """hotkey → why the round's all-reduce convicts it (:func:`template.base.audit.audit_allreduce`)."""
+        result = pending.result
+        if result is None:
+            return {}
+        peers = {record.hotkey: peer_id for peer_id in result.group if (record := pending.directory.get(peer_id))}
+        segments = {peers[hotkey]: r.segments for hotkey, r in read.items()
+                    if r.tensors is not None and hotkey in peers}
+        outcome = audit_allreduce(result, segments, self.peer.codec, self.peer.scope, pending.round,
+                                  self.peer.averaging_config.norm_clip_multiple)
+        hotkeys = {peer_id: hotkey for hotkey, peer_id in peers.items()}
+        self._audited = (outcome.segments_checked, outcome.segments_unchecked)
+        return {hotkeys[peer]: f"convicted by the all-reduce: {why}" for peer, why in outcome.accused.items()
+                if peer in hotkeys}
+
+    def _coverage(self, pending: PendingRound) -> dict[str, float]:
+        """hotkey → the share of the round's averaged segments that include its contribution (only known when the
+        validator's own all-reduce succeeded; a miner missing from the group then has coverage 0)."""
+        result = pending.applied
+        if result is None:
+            return {}
+        coverage = {record.hotkey: 0.0 for record in pending.directory}
+        for peer_id, fraction in result.coverage.items():
+            if (record := pending.directory.get(peer_id)) is not None:
+                coverage[record.hotkey] = fraction
+        return coverage
+
+    def _share_of_average(self, pending: PendingRound) -> dict[str, float]:
+        """hotkey → its token weight / the group's total (how much of Δ̄ is its own)."""
+        result = pending.applied
+        total = sum(result.weights.values()) if result is not None else 0.0
+        if result is None or total <= 0:
+            return {}
+        return {record.hotkey: weight / total for peer_id, weight in result.weights.items()
+                if (record := pending.directory.get(peer_id)) is not None}
 
     def _group_hotkeys(self, pending: PendingRound) -> list[str]:
-        if pending.result is None:
+        if pending.applied is None:
             return []
-        return sorted(r.hotkey for peer_id in pending.result.group if (r := pending.directory.get(peer_id)))
+        return sorted(r.hotkey for peer_id in pending.applied.group if (r := pending.directory.get(peer_id)))
 
     # ------------------------------------------------------------------------------------------ weights
 
@@ -255,10 +300,12 @@ class Validator:
             record = self.book.miners.get(v.hotkey)
             rows.append(dict(uid=v.uid, hotkey=v.hotkey, score=scores.get(v.hotkey, 0.0), quality=v.quality,
                              ema=record.ema if record else 0.0, z=record.z if record else 0.0, reason=v.reason,
-                             participated=v.participated, norm=v.norm,
+                             coverage=v.coverage, norm=v.norm,
                              gain_general=v.gains.general if v.gains else None,
                              evidence=v.gains.evidence if v.gains else None))
-        self.ctx.emit("scored", uid=self.ctx.uid, round=round, seconds=seconds, fetch_s=fetch_s, miners=rows)
+        checked, unchecked = self._audited
+        self.ctx.emit("scored", uid=self.ctx.uid, round=round, seconds=seconds, fetch_s=fetch_s, miners=rows,
+                      segments_recomputed=checked, segments_unchecked=unchecked)
         self.telemetry.log({f"score/uid{r['uid']}": r["score"] for r in rows}
                            | {f"ema/uid{r['uid']}": r["ema"] for r in rows} | {"scoring_s": seconds}, step=round)
         top = sorted(rows, key=lambda r: -r["ema"])[:5]

@@ -53,7 +53,7 @@ from template.localnet.report import (
     write_report,
 )
 from template.localnet.view import LiveView, print_summary, tail_text
-from template.training.compression import CODEC_NAMES
+from template.training.codecs import CODEC_NAMES
 from template.training.data import names_files
 from template.training.model import MODEL_PRESETS
 from template.training.run import PeerProcess

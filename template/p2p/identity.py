@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import base58
 import bittensor as bt
 import multihash
-from bittensor.sp_core import verify as sr25519_verify
 
 from template.chain.client import MAX_COMMITMENT_BYTES
+from template.p2p.keys import sign, verify
 
 __all__ = [
     "COMMITMENT_PREFIX",
@@ -178,19 +178,3 @@ def peer_directory(metagraph: bt.Metagraph) -> PeerDirectory:
                         peer_id, first[0].uid, first_block, [r.uid for _, r in claimants if r is not first[0]])
         records.append(first[0])
     return PeerDirectory(records)
-
-
-def sign(keypair, payload: bytes) -> str:
-    """A hex sr25519 signature of ``payload`` by ``keypair`` (e.g. ``wallet.hotkey``)."""
-    return bytes(keypair.sign(payload)).hex()
-
-
-def verify(hotkey_ss58: str, payload: bytes, signature_hex: str) -> bool:
-    """True iff ``signature_hex`` is ``hotkey_ss58``'s signature of ``payload``; False for anything malformed."""
-    if not (isinstance(hotkey_ss58, str) and isinstance(payload, bytes) and isinstance(signature_hex, str)):
-        return False
-    try:
-        signature = bytes.fromhex(signature_hex)
-        return bool(sr25519_verify(payload, signature, hotkey_ss58))
-    except Exception:  # bad hex, bad address, wrong signature length: the binding raises ValueError today
-        return False

@@ -9,7 +9,8 @@ reuse hivemind's ``runtime_pb2`` (no new protos):
 - miner → caller: ``ExpertResponse(metadata=FetchReply JSON)``; when the status is ``ok``, the reply carries the
   signed :class:`~template.protocol.PublicationMeta` and ``payload_bytes``, and is followed by
   ``ExpertResponse(tensors=[Tensor(buffer=chunk, size=[len], dtype="uint8")])`` frames of at most
-  :data:`CHUNK_BYTES` each, which concatenate to the safetensors payload.
+  :data:`CHUNK_BYTES` each, which concatenate to the payload: the encoded segments the miner contributed to the
+  round's all-reduce, exactly (:mod:`template.protocol`).
 
 We frame by hand (``add_binary_stream_handler`` / ``call_binary_stream_handler``) instead of
 ``add_protobuf_handler`` because hivemind's reader trusts the 8-byte length and buffers whatever it announces; here
@@ -35,14 +36,14 @@ What happens when things go wrong:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 
 import bittensor as bt
-import torch
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -60,9 +61,7 @@ from template.protocol import (
     ProtocolError,
     PublicationMeta,
     ReplyStatus,
-    decode_payload,
-    dtype_name,
-    encode_payload,
+    check_payload,
     payload_size_limit,
 )
 
@@ -120,12 +119,12 @@ class TransportError(FetchError, ConnectionError):
 
 @dataclass(frozen=True)
 class Publication:
-    """A verified publication: the signature, hash, names and shapes all checked."""
+    """A verified publication: the signature, payload hash, names and shapes checked; what the payload's segments
+    decode to, and whether they match the commitment, is for the validator to check with the run's codec."""
 
     peer_id: str
     meta: PublicationMeta
-    tensors: dict[str, torch.Tensor]  # in meta.names order, in meta.dtype
-    nonfinite: dict[str, int]  # tensors holding NaN/inf, with counts: passed through for the validator to score
+    payload: bytes  # the contributed segments, concatenated
 
 
 @dataclass(frozen=True)
@@ -227,11 +226,14 @@ class PublicationServer:
         max_request_bytes: int = MAX_REQUEST_BYTES,
         request_timeout: float = 10.0,
         response_timeout: float = 300.0,
+        on_served: Callable[[int, str | None], None] | None = None,
     ):
+        """``on_served(round, caller_hotkey)`` is called on the event loop after a publication was sent in full (the
+        miner reports it); an exception it raises is logged with the stream and changes nothing else."""
         if keep_rounds < 1:
             raise ValueError("keep_rounds must be >= 1")
         self.p2p, self.netuid, self.wallet, self.authorize = p2p, netuid, wallet, authorize
-        self.keep_rounds = keep_rounds
+        self.keep_rounds, self.on_served = keep_rounds, on_served
         self.max_request_bytes = max_request_bytes
         self.request_timeout, self.response_timeout = request_timeout, response_timeout
         self._limiter = _RateLimiter(max_requests_per_minute)
@@ -256,35 +258,36 @@ class PublicationServer:
         tokens: int,
         inner_steps: int,
         loss: float,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        layout: Sequence[tuple[str, Sequence[int]]],
         codec: str,
+        commitment: Mapping,
+        segments: Sequence[bytes],
         block: int,
     ) -> PublicationMeta:
-        """Encode, sign and keep Δ of ``round`` (tensors in ``model.parameters()`` order); evict the oldest rounds.
+        """Sign and keep the round's publication: the encoded segments this miner contributed (``segments``), the
+        commitment it signed for them, and the model ``layout`` (names and shapes in ``model.parameters()`` order);
+        evict the oldest rounds.
 
         Rounds must increase: a round at or below the newest one raises ValueError (a publication is final).
         Malformed fields raise ProtocolError before anything is stored.
         """
-        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        dtypes = {tensor.dtype for _, tensor in pairs}
-        if len(dtypes) != 1:
-            raise ValueError(f"all tensors must share one dtype, got {sorted(map(str, dtypes))}")
-        payload = encode_payload(pairs, codec)
+        payload = b"".join(segments)
         meta = PublicationMeta(
             version=PROTOCOL_VERSION, netuid=self.netuid, round=round, base_theta_hash=base_theta_hash,
             tokens=tokens, inner_steps=inner_steps, loss=loss, hotkey=self.wallet.hotkey.ss58_address,
-            payload_sha256=payload.sha256, names=payload.names, shapes=payload.shapes,
-            dtype=dtype_name(dtypes.pop()), codec=codec, published_at_block=block,
+            payload_sha256=hashlib.sha256(payload).hexdigest(), names=tuple(name for name, _ in layout),
+            shapes=tuple(tuple(shape) for _, shape in layout), codec=codec, commitment=dict(commitment),
+            published_at_block=block,
         )
         meta = meta.with_signature(sign(self.wallet.hotkey, meta.signing_bytes()))
         meta.encode()  # raises ProtocolError for oversized metadata now rather than when a validator asks
         with self._lock:
             if self._published and round <= max(self._published):
                 raise ValueError(f"round {round} is not after the newest published round {max(self._published)}")
-            self._published[round] = _Stored(meta, payload.data)
+            self._published[round] = _Stored(meta, payload)
             for old in sorted(self._published)[: -self.keep_rounds]:
                 del self._published[old]
-        log.info("published round %d: %d tensors, %d bytes (%s)", round, len(meta.names), len(payload.data), codec)
+        log.info("published round %d: %d segments, %d bytes (%s)", round, len(segments), len(payload), codec)
         return meta
 
     async def _handle(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -333,6 +336,8 @@ class PublicationServer:
             tensor = runtime_pb2.Tensor(buffer=chunk, size=[len(chunk)], dtype="uint8")
             await P2P.send_protobuf(runtime_pb2.ExpertResponse(tensors=[tensor]), writer)
         log.debug("served round %d to %s (%s)", request.round, remote, decision.hotkey)
+        if self.on_served is not None:
+            self.on_served(request.round, decision.hotkey)
 
 
 # --- validator side ---------------------------------------------------------------------------------------------
@@ -387,7 +392,7 @@ async def _fetch(
         body, is_error = await _read_frame(reader, MAX_REPLY_BYTES + _FRAME_OVERHEAD)
         reply = FetchReply.decode(_parse(runtime_pb2.ExpertResponse, body, is_error, "reply").metadata)
         meta = _check_reply(reply, request, expected_hotkey, layout)
-        limit = payload_size_limit(meta.names, meta.shapes, meta.codec)
+        limit = payload_size_limit(meta.names, meta.shapes)
         limit = limit if max_bytes is None else min(limit, max_bytes)
         if reply.payload_bytes > limit:
             raise ProtocolError(f"the announced payload of {reply.payload_bytes} bytes exceeds the limit of {limit}")
@@ -402,8 +407,8 @@ async def _fetch(
             if not buffer or len(payload) + len(buffer) > reply.payload_bytes:
                 raise ProtocolError("payload frames do not add up to the announced size")
             payload += buffer
-    decoded = decode_payload(bytes(payload), meta, max_bytes=limit)
-    return Publication(peer_id=peer_id.to_base58(), meta=meta, tensors=decoded.tensors, nonfinite=decoded.nonfinite)
+    return Publication(peer_id=peer_id.to_base58(), meta=meta, payload=check_payload(bytes(payload), meta,
+                                                                                      max_bytes=limit))
 
 
 def _check_reply(

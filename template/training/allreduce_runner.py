@@ -1,78 +1,175 @@
-"""The all-reduce runner of the checked all-reduce: moves the parts of one group's all-reduce between its peers.
+"""The all-reduce runner of the accountable all-reduce: moves one group's segments between its members.
 
-Protocol part (one all-reduce in one group, once hivemind matchmaking has formed it): the flat vector of all
-tensors is cut into parts; each reducing peer *owns* a contiguous share of parts. :class:`CheckedAllReduceRunner`
-streams this peer's compressed parts of every owner's share to that owner together with its weight (tokens), and
-serves its own share: each groupmate's stream of parts goes into a
-:class:`~template.training.part_reducer.CheckedPartReducer` (validate, clip, weighted mean, compress once: see
-:mod:`template.training.part_reducer`), and the owner sends the **same averaged bytes** back to every peer of the
-group, with the bitmask of included senders and their total weight. Auxiliary peers (validators) send one empty
-placeholder per part, contribute nothing, reduce nothing, and receive exactly the same bytes as the contributors.
-The runner yields the averaged tensors in order and, at the end, a :meth:`~CheckedAllReduceRunner.report` (plain
-types) of what this peer saw: values received, per-sender coverage, dropped and clipped parts, bytes moved.
-:func:`_parse_group` reads every member's mode and announced weight from the data gathered at matchmaking.
+Protocol part (one all-reduce in one group, once hivemind matchmaking has formed it and every member's gathered data
+carries its signed :class:`~template.training.contribution.Commitment`): the flat vector is cut into segments
+(:class:`SegmentLayout`); each reducing member *owns* a contiguous range of them, in proportion to hivemind's peer
+fractions. :class:`CheckedAllReduceRunner`
+
+- streams, to every owner, a :class:`~template.training.segment_messages.RangeHeader` (the leaves of the owner's range
+  and their Merkle proof) and then each segment of the range with the sender's signed statement of its digest — the
+  exact bytes the sender encoded once and committed to; auxiliary members (validators) send one empty placeholder per
+  message;
+- serves its own range: checks each sender's header against the sender's signed root, then each segment against its
+  leaf *before* it reaches the :class:`~template.training.part_reducer.CheckedPartReducer`; a segment whose bytes do
+  not match is left out of that segment's average and refused — with the sender's own signature as proof when the
+  sender signed those bytes, silently otherwise; every member receives the same averaged segments (their bytes, the
+  senders included, the proven refusals), and finally a :class:`~template.training.segment_messages.ShareCertificate`
+  in which the owner signs the digest of everything it sent;
+- decodes what every owner returns into the output vector, checks each certificate, and keeps an audit of the round
+  (:meth:`CheckedAllReduceRunner.report`): who was included in which segment, the proven refusals, the digest of every
+  averaged segment and every owner's signed certificate, for the confirmation between members and for validators.
 
 What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stall) or misbehaves:
 
-- Nobody waits forever: every stream is bounded by ``sender_timeout`` (``next_chunk_timeout``; a sender's
-  silence) and ``reducer_timeout`` (2× that; an owner's silence, and how long an owner stays to serve
-  groupmates that have not fetched its share yet).
-- A sender that stops sending, or breaks the stream (a second stream, parts out of order), is banned: it is
-  excluded from the parts of our share it had not delivered yet; parts that it did deliver keep its contribution.
-- An owner that dies, is silent, or replies garbage (not an averaged part, undecodable, non-finite, wrong size or
-  count) has the parts of its share that had not arrived registered as failed: the result is partial
-  (``values_failed`` in the report), which the averager reports as a failure. A garbage part is never written
-  into the result.
-- The all-reduce handler serves members of this group only; anyone else gets ``PROTOCOL_VIOLATION``, and a
-  request for another group id, or after the runner finished, is rejected.
-- A malformed gather at matchmaking gives its peer no announced weight, so all its parts are dropped; the round
-  goes on.
+- Nobody waits forever: every stream is bounded by ``sender_timeout`` (a sender's silence) and ``reducer_timeout``
+  (2× that; an owner's silence, and how long an owner stays to serve groupmates that have not fetched its share).
+- A sender that stops sending, or breaks the stream (a bad header, segments out of order), is banned: it is excluded
+  from the segments of our range it had not delivered yet; segments that it did deliver keep its contribution.
+- An owner that dies, is silent, replies garbage (not an averaged segment, undecodable, non-finite, wrong count) or
+  signs its certificate wrongly has the segments of its range that were not registered counted as failed: the result
+  is partial (``values_failed`` in the report), which the averager reports as a failure. Garbage is never written into
+  the result.
+- The all-reduce handler serves members of this group only; anyone else gets ``PROTOCOL_VIOLATION``, and a request
+  for another group id, or after the runner finished, is rejected.
+- A member whose gathered data is malformed has no announced weight or commitment: its segments are dropped.
+
+Misbehaviours for the adversarial tests (:class:`AllReduceFaults`) are applied here, plainly marked; a peer with the
+default faults (none) runs the honest protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-import math
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
-from hivemind.compression import CompressionBase
+from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import (
-    achain,
-    aiter_with_timeout,
-    amap_in_executor,
-    anext,
-    as_aiter,
-    attach_event_on_finished,
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter, attach_event_on_finished
+
+from template.training.codecs import CodecError, SegmentCodec
+from template.training.contribution import (
+    Commitment,
+    ContributionError,
+    Signer,
+    Verifier,
+    leaf_digest,
+    merkle_levels,
+    range_proof,
+    root_from_range,
+    segment_bounds,
+    segment_count,
+    statement_bytes,
 )
-from hivemind.utils.serializer import MSGPackSerializer
-
-from template.training.compression import CodecError
 from template.training.part_reducer import CheckedPartReducer, Contribution, PartResult
+from template.training.reduction import SegmentInput
+from template.training.segment_messages import (
+    AveragedSegment,
+    MessageError,
+    RangeHeader,
+    Refusal,
+    SenderSegment,
+    ShareCertificate,
+    certificate_bytes,
+    segments_digest,
+)
 
-__all__ = ["CheckedAllReduceRunner"]
+__all__ = ["AllReduceFaults", "CheckedAllReduceRunner", "OwnContribution", "RoundTerms", "SegmentLayout"]
 
 logger = logging.getLogger(__name__)
 
 
-class _OutputContainer(TensorPartContainer):
-    """hivemind's part container, returning averages (not deltas) and remembering each part's size."""
+@dataclass(frozen=True)
+class SegmentLayout:
+    """How the flat vector is cut into segments, and which member owns which segments."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, return_deltas=False, **kwargs)
-        self.part_numels_by_peer = tuple(
-            tuple(part.numel() for part, _ in parts) for parts in self._input_parts_by_peer
-        )
+    numel: int
+    segment_values: int
+
+    @property
+    def count(self) -> int:
+        return segment_count(self.numel, self.segment_values)
+
+    def numel_of(self, index: int) -> int:
+        start, stop = segment_bounds(self.numel, self.segment_values, index)
+        return stop - start
+
+    def values(self, start: int, stop: int) -> tuple[int, int]:
+        """The flat values [first, last) of segments [start, stop)."""
+        return start * self.segment_values, min(stop * self.segment_values, self.numel)
+
+    def ranges(self, peer_fractions: Sequence[float]) -> list[tuple[int, int]]:
+        """Contiguous segment ranges in proportion to the fractions (members with fraction 0 own nothing)."""
+        total = sum(peer_fractions)
+        bounds, acc = [0], 0.0
+        for fraction in peer_fractions:
+            acc += fraction
+            bounds.append(round(self.count * acc / total) if total > 0 else 0)
+        bounds[-1] = self.count
+        return [(bounds[i], bounds[i + 1]) for i in range(len(peer_fractions))]
+
+
+@dataclass(frozen=True)
+class OwnContribution:
+    """This sender's encoded segments, their leaves and its signed statements (from the host, via shared memory)."""
+
+    segments: tuple[bytes, ...]
+    leaves: tuple[bytes, ...]
+    statements: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class AllReduceFaults:
+    """Misbehaviours of an adversarial peer (tests and research only; every field off is the honest protocol).
+
+    ``corrupt_segments``: send segment bytes other than the committed ones, with signed statements of them (an
+    equivocator: its refusals carry proof). ``lie``: as an owner, return a wrong average (the negated one) to
+    ``"all"`` members or to ``"some"`` (every other member), signing what it sends. ``frame``: as an owner, refuse the
+    first other sender's segments claiming a mismatch, with a forged "proof".
+    """
+
+    corrupt_segments: bool = False
+    lie: str | None = None
+    frame: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lie not in (None, "all", "some"):
+            raise ValueError("lie must be None, 'all' or 'some'")
+
+
+@dataclass(frozen=True)
+class RoundTerms:
+    """What the members of one all-reduce agree on, besides the group itself."""
+
+    scope: str
+    round: int
+    codec: SegmentCodec
+    layout: SegmentLayout
+    commitments: tuple[Commitment | None, ...]  # per sender (group order); None: malformed or unsigned
+    verify: Verifier
+    signer: Signer | None  # signs this member's certificates as an owner (None: auxiliary members own nothing)
+    faults: AllReduceFaults = field(default_factory=AllReduceFaults)
+
+    @property
+    def commitments_digest(self) -> bytes:
+        digest = hashlib.sha256()
+        for c in self.commitments:
+            digest.update(b"\x00" if c is None else b"\x01" + c.signing_bytes() + c.signature)
+        return digest.digest()
+
+
+def _message(payload: bytes, *, code: int = averaging_pb2.AVERAGED_PART,
+             weight: float = 0.0) -> averaging_pb2.AveragingData:
+    return averaging_pb2.AveragingData(code=code, tensor_part=runtime_pb2.Tensor(buffer=payload), weight=weight)
 
 
 class CheckedAllReduceRunner(AllReduceRunner):
-    """Butterfly all-reduce where each part's owner sends the same averaged bytes to all (module docstring)."""
+    """Butterfly all-reduce of committed segments; each owner sends the same averages to all (module docstring)."""
 
     def __init__(
         self,
@@ -81,35 +178,34 @@ class CheckedAllReduceRunner(AllReduceRunner):
         servicer_type,
         prefix: str | None,
         group_id: bytes,
-        tensors: Sequence[torch.Tensor],
         weight: float,
         ordered_peer_ids: Sequence[PeerID],
         peer_fractions: tuple[float, ...],
         modes: Sequence[AveragingMode],
         announced_weights: Sequence[float | None],
-        compression: CompressionBase,
+        terms: RoundTerms,
+        own: OwnContribution | None,
         clip_multiple: float | None,
         sender_timeout: float,
         reducer_timeout: float,
-        part_size_bytes: int,
-        tensor_infos=None,
     ):
-        # deliberately not calling AllReduceRunner.__init__: it builds a delta-returning container and a
-        # reducer that we replace; the attributes below are the ones its inherited methods use.
+        # deliberately not calling AllReduceRunner.__init__: it builds hivemind's part container and reducer, which
+        # this protocol replaces; the attributes below are the ones its inherited methods use.
         self._p2p, self.peer_id = p2p, p2p.peer_id
         self._servicer_type, self._prefix = servicer_type, prefix
         self.group_id, self.ordered_peer_ids = group_id, tuple(ordered_peer_ids)
         self.modes, self.peer_fractions = tuple(modes), tuple(peer_fractions)
         assert self.peer_id in self.ordered_peer_ids, "peer_id is not a part of the group"
         assert len(self.modes) == len(self.ordered_peer_ids) == len(self.peer_fractions) == len(announced_weights)
-        self.weight, self.codec = weight, compression
+        self.weight, self.terms, self.own = weight, terms, own
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
         self._future = asyncio.Future()
 
-        self.sender_peer_ids = [
-            p for p, mode in zip(self.ordered_peer_ids, self.modes, strict=True) if mode != AveragingMode.AUX
-        ]
+        self.sender_peer_ids = [p for p, mode in zip(self.ordered_peer_ids, self.modes, strict=True)
+                                if mode != AveragingMode.AUX]
+        assert len(terms.commitments) == len(self.sender_peer_ids)
         self.is_sender = self.peer_id in self.sender_peer_ids
+        assert not self.is_sender or own is not None, "a sender needs its encoded contribution"
         self.all_senders_started = asyncio.Event()
         self.banned_senders: set[PeerID] = set()
         self.banlock = asyncio.Lock()
@@ -117,41 +213,48 @@ class CheckedAllReduceRunner(AllReduceRunner):
         if len(self.active_senders) == len(self.sender_peer_ids):
             self.all_senders_started.set()
 
-        my_index = self.ordered_peer_ids.index(self.peer_id)
-        self.tensor_part_container = _OutputContainer(
-            tensors, peer_fractions, compression=compression, part_size_bytes=part_size_bytes, tensor_infos=tensor_infos
-        )
-        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
+        layout = terms.layout
+        self.ranges = layout.ranges(self.peer_fractions)
+        self.my_index = self.ordered_peer_ids.index(self.peer_id)
+        self.my_range = self.ranges[self.my_index]
         weight_by_peer = dict(zip(self.ordered_peer_ids, announced_weights, strict=True))
         self.tensor_part_reducer = CheckedPartReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging),
+            [layout.numel_of(k) for k in range(*self.my_range)],
             [str(p) for p in self.sender_peer_ids],
             [weight_by_peer[p] for p in self.sender_peer_ids],
-            compression,
+            terms.codec,
             clip_multiple,
         )
-        self.owns_parts = self.tensor_part_container.num_parts_by_peer[my_index] > 0
+        self.output = torch.zeros(layout.numel, dtype=torch.float32)
+        self.registered = [False] * layout.count  # which segments of the output hold a verified average
+        self.audit: dict[int, dict] = {}  # segment -> included, refusals, digest (of the averaged bytes)
+        self.certificates: dict[int, dict] = {}  # owner index -> its certificate (hex fields)
+        self.failed_owners: dict[str, str] = {}  # owner peer id -> why its share failed
+        self.owns_parts = self.my_range[1] > self.my_range[0]
         # peers that still have to fetch (and send) this peer's share before it may finish
         self._unserved = {p for p in self.ordered_peer_ids if p != self.peer_id} if self.owns_parts else set()
         self._all_served = asyncio.Event()
         if not self._unserved:
             self._all_served.set()
-        self.included_parts = [0] * len(self.sender_peer_ids)
+        self._verified_leaves: dict[int, tuple[bytes, ...]] = {}  # sender -> its leaves of our range, once checked
+        self._levels = merkle_levels(own.leaves) if self.is_sender else None  # our tree, for the range proofs
         self.bytes_sent = self.bytes_received = 0
 
-    async def run(self) -> AsyncIterator[torch.Tensor]:
-        """Send parts to owners, collect averaged parts from all owners, yield the averaged tensors in order."""
+    # ------------------------------------------------------------------------------------------------ run
+
+    async def execute(self) -> None:
+        """Send segments to owners, serve our range, collect every owner's averages; returns when all arrived or
+        failed (see :meth:`report`)."""
         pending_tasks = set()
         if self.owns_parts:
             pending_tasks.add(asyncio.create_task(self._handle_missing_senders()))
         try:
-            for peer_id, num_parts in zip(
-                self.ordered_peer_ids, self.tensor_part_container.num_parts_by_peer, strict=True
-            ):
-                if num_parts != 0:
-                    pending_tasks.add(asyncio.create_task(self._communicate_with_peer(peer_id)))
-            async for averaged_tensor in self.tensor_part_container.iterate_output_tensors():
-                yield averaged_tensor
+            owners = [(i, p) for i, p in enumerate(self.ordered_peer_ids) if self.ranges[i][1] > self.ranges[i][0]]
+            results = await asyncio.gather(*(self._communicate_with_owner(i, p) for i, p in owners),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, Exception):
+                    raise result
             # stay alive (bounded) until groupmates, auxiliaries included, have fetched this peer's share
             try:
                 await asyncio.wait_for(self._all_served.wait(), timeout=self.reducer_timeout)
@@ -172,77 +275,144 @@ class CheckedAllReduceRunner(AllReduceRunner):
                 except Exception as inner_exc:
                     logger.debug("task %s failed with %r", task, inner_exc, exc_info=True)
 
-    def _register_result(self, peer_index: int, part_index: int, result: PartResult) -> None:
-        self.tensor_part_container.register_processed_part(peer_index, part_index, result.decoded)
-        included = int.from_bytes(result.reply.peer_id, "little")
-        for sender in range(len(self.sender_peer_ids)):
-            self.included_parts[sender] += (included >> sender) & 1
+    def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
+        if not self._future.done():
+            if cancel:
+                self._future.cancel()
+            elif exception:
+                self._future.set_exception(exception)
+            else:
+                self._future.set_result(None)
+            self.tensor_part_reducer.finalize()
 
-    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
-        """Send our parts to the owner ``peer_id`` and register the averaged parts it returns."""
-        peer_index = self.ordered_peer_ids.index(peer_id)
+    # --------------------------------------------------------------------------------- receiving averages
+
+    def _register(self, owner: int, segment: int, averaged: AveragedSegment, decoded: torch.Tensor) -> None:
+        start, stop = self.terms.layout.values(segment, segment + 1)
+        if decoded.numel() != stop - start:
+            raise AllreduceException(f"owner {owner} sent {decoded.numel()} values for segment {segment}")
+        self.output[start:stop] = decoded
+        self.registered[segment] = True
+        self.audit[segment] = dict(owner=owner, included=list(averaged.included),
+                                   digest=hashlib.sha256(averaged.data).hexdigest(),
+                                   refusals=[[r.sender, r.leaf.hex(), r.signature.hex()] for r in averaged.refusals])
+
+    def _check_certificate(self, owner: int, certificate: ShareCertificate, received: list[bytes]) -> None:
+        """The owner's signature must cover exactly the packed segments we received, and our commitments."""
+        owner_sender = self.sender_peer_ids.index(self.ordered_peer_ids[owner])
+        commitment = self.terms.commitments[owner_sender]
+        start, stop = self.ranges[owner]
+        digest = segments_digest(received)
+        message = certificate_bytes(self.terms.scope, self.terms.round, self.group_id, owner, start, stop,
+                                    certificate.digest, certificate.commitments)
+        if certificate.digest != digest or commitment is None \
+                or not self.terms.verify(commitment.key, message, certificate.signature):
+            raise AllreduceException(f"owner {owner}'s certificate does not match what it sent")
+        if certificate.commitments != self.terms.commitments_digest:
+            raise AllreduceException(f"owner {owner} averaged against other commitments than ours")
+        self.certificates[owner] = dict(digest=certificate.digest.hex(), commitments=certificate.commitments.hex(),
+                                        signature=certificate.signature.hex(), start=start, stop=stop)
+
+    async def _communicate_with_owner(self, owner: int, peer_id: PeerID) -> None:
+        """Send our segments of ``owner``'s range and register the averages it returns (or serve our own range)."""
+        start, stop = self.ranges[owner]
         try:
-            if peer_id == self.peer_id:  # owners are always senders: auxiliaries get a zero share
-                sender_index = self.sender_peer_ids.index(self.peer_id)
-                for part_index, part in enumerate(self.parts_for_local_averaging):
-                    contribution = Contribution(sender_index, part, self.weight, problem=None)
-                    result = await self.tensor_part_reducer.accumulate_part(contribution, part_index)
-                    self._register_result(peer_index, part_index, result)
+            if peer_id == self.peer_id:  # owners are always senders: auxiliaries own nothing
+                await self._average_own_range()
                 return
-
             done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            inputs = attach_event_on_finished(self._generate_input_for_owner(owner), done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
-
-            expected_numels = self.tensor_part_container.part_numels_by_peer[peer_index]
-            part_index = 0
-            async for message, decoded in amap_in_executor(
-                self._decode_reply,
-                aiter_with_timeout(stream, self.reducer_timeout),
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
-                if part_index >= len(expected_numels) or decoded.numel() != expected_numels[part_index]:
-                    raise AllreduceException(f"{peer_id} sent a part of the wrong size or too many parts")
+            codec, received = self.terms.codec, []
+            max_bytes = codec.max_average_size(self.terms.layout.segment_values)
+            async for message in aiter_with_timeout(stream, self.reducer_timeout):
                 self.bytes_received += message.ByteSize()
-                self._register_result(peer_index, part_index, PartResult(message, decoded.reshape(-1)))
-                part_index += 1
-            if part_index != len(expected_numels):
-                raise AllreduceException(f"{peer_id} sent {part_index} of {len(expected_numels)} parts")
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"owner replied {averaging_pb2.MessageCode.Name(message.code)}")
+                if len(received) == stop - start:
+                    self._check_certificate(owner, ShareCertificate.unpack(message.tensor_part.buffer), received)
+                    return
+                segment = start + len(received)
+                averaged = AveragedSegment.unpack(message.tensor_part.buffer, max_bytes, len(self.sender_peer_ids))
+                decoded = await asyncio.get_event_loop().run_in_executor(
+                    None, codec.decode_average, averaged.data, self.terms.layout.numel_of(segment))
+                if not bool(torch.isfinite(decoded).all()):
+                    raise AllreduceException(f"owner {owner} sent a non-finite average")
+                self._register(owner, segment, averaged, decoded)
+                received.append(message.tensor_part.buffer)  # the certificate covers exactly these bytes
+            raise AllreduceException(f"{peer_id} sent {len(received)} of {stop - start} segments and no certificate")
         except BaseException as e:
-            if isinstance(e, Exception):
-                logger.debug("failed to get averaged parts from %s: %r", peer_id, e, exc_info=True)
-            self.tensor_part_container.register_failed_reducer(peer_index)
+            if isinstance(e, (AllreduceException, MessageError, CodecError, ContributionError)):
+                logger.warning("owner %s failed: %s", peer_id, e)
+            elif isinstance(e, Exception):
+                logger.debug("failed to get averaged segments from %s: %r", peer_id, e, exc_info=True)
+            self.failed_owners[str(peer_id)] = f"{type(e).__name__}: {e}"
             raise
 
-    def _decode_reply(self, message: averaging_pb2.AveragingData) -> tuple[averaging_pb2.AveragingData, torch.Tensor]:
-        if message.code != averaging_pb2.AVERAGED_PART:
-            raise AllreduceException(f"owner replied {averaging_pb2.MessageCode.Name(message.code)}")
-        decoded = self.codec.extract(message.tensor_part)  # CodecError on garbage
-        if decoded.dtype != torch.float32 or not bool(torch.isfinite(decoded).all()):
-            raise AllreduceException("owner sent a non-finite or non-float32 average")
-        return message, decoded
+    async def _average_own_range(self) -> None:
+        """Our own segments go to our reducer directly; the results are registered like any owner's."""
+        start, stop = self.my_range
+        sender = self.sender_peer_ids.index(self.peer_id)
+        sent = []
+        for offset, segment in enumerate(range(start, stop)):
+            contribution = Contribution(sender, SegmentInput(sender, self.own.segments[segment], self.weight))
+            result = await self.tensor_part_reducer.accumulate_part(contribution, offset)
+            averaged = self._as_sent_to(self.my_index, result)
+            decoded = result.decoded if averaged is result.averaged else self.terms.codec.decode_average(
+                averaged.data, result.decoded.numel())
+            self._register(self.my_index, segment, averaged, decoded)
+            sent.append(averaged.pack(len(self.sender_peer_ids)))
+        certificate = self._certificate(sent)
+        self.certificates[self.my_index] = dict(digest=certificate.digest.hex(),
+                                                commitments=certificate.commitments.hex(),
+                                                signature=certificate.signature.hex(), start=start, stop=stop)
 
-    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """Senders stream their compressed parts; auxiliaries stream one empty placeholder per part."""
+    def _certificate(self, sent: list[bytes]) -> ShareCertificate:
+        """The owner's signature over the packed averaged segments it sent one member, and the commitments used."""
+        start, stop = self.my_range
+        digest, commitments = segments_digest(sent), self.terms.commitments_digest
+        message = certificate_bytes(self.terms.scope, self.terms.round, self.group_id, self.my_index, start, stop,
+                                    digest, commitments)
+        signature = self.terms.signer.sign(message) if self.terms.signer is not None else b""
+        return ShareCertificate(digest, commitments, signature)
+
+    # --------------------------------------------------------------------------------------- sending ours
+
+    async def _generate_input_for_owner(self, owner: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Senders stream a header and their committed segments; auxiliaries one placeholder per message."""
+        start, stop = self.ranges[owner]
         if self.is_sender:
-            parts = self.tensor_part_container.iterate_input_parts_for(peer_index)
-            messages = (averaging_pb2.AveragingData(tensor_part=part, weight=self.weight) async for part in parts)
+            payloads = [RangeHeader(self.own.leaves[start:stop], tuple(range_proof(self._levels, start, stop))).pack()]
+            for segment in range(start, stop):
+                data, statement = self.own.segments[segment], self.own.statements[segment]
+                if self.terms.faults.corrupt_segments:
+                    data, statement = self._corrupted(segment)
+                payloads.append(SenderSegment(data, statement).pack())
+            messages = [_message(p, code=averaging_pb2.PART_FOR_AVERAGING, weight=self.weight) for p in payloads]
         else:
-            count = self.tensor_part_container.num_parts_by_peer[peer_index]
-            messages = as_aiter(*(averaging_pb2.AveragingData(weight=0.0) for _ in range(count)))
-        first = True
-        async for message in messages:
-            if first:
-                message.code, message.group_id, first = averaging_pb2.PART_FOR_AVERAGING, self.group_id, False
+            messages = [averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, weight=0.0)
+                        for _ in range(stop - start + 1)]
+        for index, message in enumerate(messages):
+            if index == 0:
+                message.group_id = self.group_id
             self.bytes_sent += message.ByteSize()
             yield message
+
+    def _corrupted(self, segment: int) -> tuple[bytes, bytes]:
+        """AllReduceFaults.corrupt_segments: other bytes than committed, with a (truthful) signed statement of them."""
+        original = self.own.segments[segment]
+        data = bytes(b ^ 0x01 for b in original[:64]) + original[64:]
+        statement = statement_bytes(self.terms.scope, self.terms.round, segment, leaf_digest(data))
+        return data, self.terms.signer.sign(statement) if self.terms.signer is not None else b""
+
+    # ------------------------------------------------------------------------------------- serving our range
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """A groupmate streams its parts of our share (or placeholders); we reply with the averaged parts."""
+        """A groupmate streams its segments of our range (or placeholders); we reply with the averaged segments."""
         remote = context.remote_id
         if remote not in self.ordered_peer_ids:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -260,8 +430,10 @@ class CheckedAllReduceRunner(AllReduceRunner):
                 return
             if request.code != averaging_pb2.PART_FOR_AVERAGING:
                 raise AllreduceException(f"{remote} sent {averaging_pb2.MessageCode.Name(request.code)}")
+            receiver = self.ordered_peer_ids.index(remote)
             stream = self._counted(aiter_with_timeout(achain(as_aiter(request), stream), self.sender_timeout))
-            async for reply in self._reply_stream(stream, sender_index, delay=self.should_delay_results(remote)):
+            async for reply in self._reply_stream(stream, sender_index, receiver,
+                                                  delay=self.should_delay_results(remote)):
                 self.bytes_sent += reply.ByteSize()
                 yield reply
         except BaseException as e:
@@ -279,10 +451,10 @@ class CheckedAllReduceRunner(AllReduceRunner):
             self.bytes_received += message.ByteSize()
             yield message
 
-    async def _reply_stream(self, stream, sender_index: int | None, delay: bool):
+    async def _reply_stream(self, stream, sender_index: int | None, receiver: int, delay: bool):
         """hivemind's flow control: peers with no share of their own get replies only after they finish sending."""
         if not delay:
-            async for reply in self._accumulate_parts_streaming(stream, sender_index):
+            async for reply in self._serve(stream, sender_index, receiver):
                 yield reply
             return
         done_receiving, queue = asyncio.Event(), asyncio.Queue()
@@ -290,7 +462,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
         async def _collect():
             try:
                 stream_with_event = attach_event_on_finished(stream, done_receiving)
-                async for reply in self._accumulate_parts_streaming(stream_with_event, sender_index):
+                async for reply in self._serve(stream_with_event, sender_index, receiver):
                     queue.put_nowait(reply)
             finally:
                 done_receiving.set()
@@ -305,36 +477,84 @@ class CheckedAllReduceRunner(AllReduceRunner):
         finally:
             collector.cancel()
 
-    async def _accumulate_parts_streaming(self, stream, sender_index: int | None):
-        reducer = self.tensor_part_reducer
-        part_index = 0
+    async def _serve(self, stream, sender_index: int | None, receiver: int):
+        """One member's stream: its header and segments in, the averages and our certificate out."""
+        reducer, (start, stop) = self.tensor_part_reducer, self.my_range
+        sent: list[bytes] = []
+        offset = 0
         try:
-            if sender_index is None:  # an auxiliary: its messages are placeholders, one per part
-                async for _ in stream:
-                    result = await reducer.result(part_index)
-                    part_index += 1
-                    yield result.reply
-                return
-            async for contribution in amap_in_executor(
-                lambda msg: self._decode_contribution(sender_index, msg),
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
-                try:
-                    result = await reducer.accumulate_part(contribution, part_index)
-                except BannedException:
-                    break
-                part_index += 1
-                yield result.reply
+            header = await anext(stream)
+            if sender_index is not None:
+                self._verify_header(sender_index, header)
+            async for message in stream:
+                if offset >= stop - start:
+                    raise AllreduceException("more segments than the range holds")
+                if sender_index is None:  # an auxiliary: its messages are placeholders
+                    result = await reducer.result(offset)
+                else:
+                    contribution = await asyncio.get_event_loop().run_in_executor(
+                        None, self._check_segment, sender_index, start + offset, message)
+                    try:
+                        result = await reducer.accumulate_part(contribution, offset)
+                    except BannedException:
+                        break
+                averaged = self._as_sent_to(receiver, result)
+                packed = averaged.pack(len(self.sender_peer_ids))
+                sent.append(packed)
+                offset += 1
+                yield _message(packed, weight=averaged.weight)
+            if offset == stop - start:
+                yield _message(self._certificate(sent).pack())
         finally:
-            if sender_index is not None and part_index != reducer.num_parts:
+            if sender_index is not None and offset != reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
-    def _decode_contribution(self, sender_index: int, message: averaging_pb2.AveragingData) -> Contribution:
+    def _verify_header(self, sender: int, message: averaging_pb2.AveragingData) -> None:
+        """The sender's leaves of our range must hash up to the root it signed at matchmaking."""
+        commitment = self.terms.commitments[sender]
+        start, stop = self.my_range
+        if commitment is None:
+            raise AllreduceException(f"sender {sender} has no valid commitment")
+        header = RangeHeader.unpack(message.tensor_part.buffer, stop - start)
+        root = root_from_range(header.leaves, start, stop, self.terms.layout.count, header.proof)
+        if root != commitment.root:
+            raise AllreduceException(f"sender {sender}'s leaves do not hash to the root it signed")
+        self._verified_leaves[sender] = header.leaves
+
+    def _check_segment(self, sender: int, segment: int, message: averaging_pb2.AveragingData) -> Contribution:
+        """Runs in a worker thread: hash the bytes and compare with the committed leaf before they count."""
         try:
-            return Contribution(sender_index, self.codec.extract(message.tensor_part), message.weight, None)
-        except CodecError as e:
-            return Contribution(sender_index, None, message.weight, f"undecodable: {e}")
+            parsed = SenderSegment.unpack(message.tensor_part.buffer,
+                                          self.terms.codec.encoded_size(self.terms.layout.segment_values))
+        except MessageError as err:
+            logger.warning("sender %d's segment %d is malformed: %s", sender, segment, err)
+            return Contribution(sender, None)
+        leaf = leaf_digest(parsed.data)
+        expected = self._verified_leaves[sender][segment - self.my_range[0]]
+        victim = self.terms.faults.frame and sender == self._framed_sender()
+        if leaf == expected and not victim:
+            return Contribution(sender, SegmentInput(sender, parsed.data, message.weight))
+        if victim:  # AllReduceFaults.frame: claim a mismatch with a "proof" that cannot verify
+            return Contribution(sender, None, Refusal(sender, hashlib.sha256(b"forged").digest(), bytes(64)))
+        commitment = self.terms.commitments[sender]
+        signed = statement_bytes(self.terms.scope, self.terms.round, segment, leaf)
+        proven = commitment is not None and self.terms.verify(commitment.key, signed, parsed.signature)
+        logger.warning("sender %d's segment %d does not match its committed leaf (%s)", sender, segment,
+                       "signed by the sender" if proven else "unsigned")
+        return Contribution(sender, None, Refusal(sender, leaf, parsed.signature) if proven else None)
+
+    def _framed_sender(self) -> int | None:
+        others = [s for s, p in enumerate(self.sender_peer_ids) if p != self.peer_id]
+        return others[0] if others else None
+
+    def _as_sent_to(self, receiver: int, result: PartResult) -> AveragedSegment:
+        """What this owner sends ``receiver`` (AllReduceFaults.lie: a negated average, to all members — itself too,
+        a consistent liar — or to every other one)."""
+        lie = self.terms.faults.lie
+        if lie is None or (lie == "some" and receiver % 2 == 0):
+            return result.averaged
+        wrong = self.terms.codec.encode_average(-result.decoded)
+        return AveragedSegment(wrong, result.averaged.included, result.averaged.weight, result.averaged.refusals)
 
     def _check_reasons_to_reject(self, request, context) -> averaging_pb2.AveragingData | None:
         if request.group_id != self.group_id:
@@ -354,39 +574,29 @@ class CheckedAllReduceRunner(AllReduceRunner):
         if not self._unserved:
             self._all_served.set()
 
+    # ----------------------------------------------------------------------------------------------- report
+
     def report(self) -> dict:
         """What this peer can say about the round; plain types, it crosses the process boundary."""
-        container, reducer = self.tensor_part_container, self.tensor_part_reducer
-        total_parts = sum(container.num_parts_by_peer)
+        layout, reducer = self.terms.layout, self.tensor_part_reducer
+        failed = sum(layout.numel_of(k) for k in range(layout.count) if not self.registered[k])
+        included = [0] * len(self.sender_peer_ids)
+        for record in self.audit.values():
+            for sender in record["included"]:
+                included[sender] += 1
         return dict(
-            values_total=container.total_size,
-            values_failed=container.failed_size,
-            coverage={
-                str(peer): included / total_parts if total_parts else 1.0
-                for peer, included in zip(self.sender_peer_ids, self.included_parts, strict=True)
-            },
+            values_total=layout.numel,
+            values_failed=failed,
+            coverage={str(p): included[s] / layout.count for s, p in enumerate(self.sender_peer_ids)},
             share_parts_expected=reducer.num_parts * reducer.num_senders,
             share_parts_received=reducer.parts_received,
             dropped=list(reducer.dropped),
             clipped=list(reducer.clipped),
+            failed_owners=dict(self.failed_owners),
+            senders=[str(p) for p in self.sender_peer_ids],
+            ranges=[list(r) for r in self.ranges],
+            segments={str(k): v for k, v in sorted(self.audit.items())},
+            certificates={str(k): v for k, v in sorted(self.certificates.items())},
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
         )
-
-
-def _parse_group(group_info: GroupInfo) -> tuple[list[AveragingMode], list[float | None]]:
-    """Modes and announced weights of the group, from the data gathered at matchmaking."""
-    modes, weights = [], []
-    for blob in group_info.gathered:
-        _bandwidth, mode_id, user_blob = MSGPackSerializer.loads(blob)
-        mode = AveragingMode(mode_id)
-        modes.append(mode)
-        try:
-            weight = MSGPackSerializer.loads(user_blob).get("weight")
-        except Exception:  # a malformed gather: that peer's parts get dropped, the round goes on
-            weight = None
-        if mode == AveragingMode.AUX:
-            weight = 0.0
-        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight >= 0
-        weights.append(float(weight) if ok else None)
-    return modes, weights

@@ -43,6 +43,7 @@ Every peer of a run must use this code: its wire protocol differs from stock hiv
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -53,13 +54,29 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging.control import StepControl
+from hivemind.utils import get_dht_time
 
-from template.training.checked_averager import CheckedAverager, StateProvider
-from template.training.compression import CODEC_NAMES, get_compression
+from template.p2p.keys import ephemeral_signer, verify_signature
+from template.training.allreduce_runner import AllReduceFaults, SegmentLayout
+from template.training.checked_averager import CheckedAverager, ContributionBuffer, StateProvider
+from template.training.codecs import CODEC_NAMES, SegmentCodec, get_codec
+from template.training.contribution import (
+    Commitment,
+    EncodedContribution,
+    Signer,
+    Verifier,
+    codec_descriptor,
+    encode_contribution,
+    sign_statements,
+)
+from template.training.segment_messages import certificate_bytes
 
 __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "PseudoGradientAverager", "StateProvider"]
 
 logger = logging.getLogger(__name__)
+
+CONFIRMATION_TTL_S = 120.0  # how long members' confirmation records live in the DHT
+CONFIRMATION_POLL_S = 0.2
 
 
 @dataclass
@@ -75,8 +92,8 @@ class AveragingConfig:
     request_timeout: float = 3.0  # one matchmaking request; must be < matchmaking_time
     allreduce_timeout: float = 60.0  # the whole all-reduce after the group is formed
     next_chunk_timeout: float = 10.0  # max silence of a sender (reducers get 2x) before it is dropped
-    part_size_bytes: int = 2**19
-    compression: str = "fp16"  # one of compression.CODEC_NAMES
+    compression: str = "fp16"  # one of codecs.CODEC_NAMES; the codec itself is given to the averager
+    confirmation_time: float = 3.0  # how long members wait for each other's confirmation after the all-reduce
     norm_clip_multiple: float | None = 3.0  # None or 0: no norm clipping (validation still applies)
     auxiliary: bool = False  # validators: contribute nothing, receive the average
     # per-peer allowances of the handlers anyone who reaches our host may call (a peer sends a few join requests
@@ -100,8 +117,8 @@ class AveragingConfig:
             raise ValueError("request_timeout must be < matchmaking_time (hivemind matchmaking can deadlock otherwise)")
         if self.norm_clip_multiple is not None and self.norm_clip_multiple < 0:
             raise ValueError("norm_clip_multiple must be None or >= 0")
-        if self.part_size_bytes < 1024:
-            raise ValueError("part_size_bytes must be >= 1024")
+        if self.confirmation_time < 0:
+            raise ValueError("confirmation_time must be >= 0")
         if self.max_join_requests_per_minute < 1 or self.max_state_downloads_per_minute < 1:
             raise ValueError("the per-peer allowances must be >= 1 per minute")
 
@@ -119,8 +136,10 @@ class AveragingResult:
     reason: str  # "" when ok, else why not
     bytes_received: int = 0
     weights: dict[str, float] = field(default_factory=dict)  # peer id -> announced weight (0 for auxiliaries)
-    coverage: dict[str, float] = field(default_factory=dict)  # sender -> fraction of parts that included it
+    coverage: dict[str, float] = field(default_factory=dict)  # sender -> fraction of segments that included it
     group_id: str = ""  # hex; peers with ok=True and the same group_id hold identical bytes
+    commitments: dict[str, dict] = field(default_factory=dict)  # sender -> its signed commitment (wire form)
+    audit: dict[str, Any] = field(default_factory=dict)  # senders, ranges, per-segment records, certificates
 
 
 @dataclass
@@ -129,15 +148,18 @@ class AveragingHandle:
 
     control: StepControl
     weight: float
-    gather: Any
+    gather: Any  # what goes to the group: weight, terms, commitment and the caller's data
     deadline: float
+    commitment: Commitment | None
 
 
 class PseudoGradientAverager:
-    """Average lists of CPU float32 tensors (pseudo-gradients) with a group of peers, weighted by tokens.
+    """Average pseudo-gradients (lists of CPU float32 tensors) with a group of peers, weighted by tokens, each peer's
+    contribution encoded once, committed and signed (:mod:`template.training.contribution`).
 
-    One step at a time: call :meth:`average`, or :meth:`begin` early (matchmaking runs during the last inner
-    steps) and :meth:`finish` with the tensors. Nothing here knows about models, chains or validators.
+    One step at a time: :meth:`contribute` encodes, :meth:`begin` commits and starts matchmaking, :meth:`finish`
+    runs the all-reduce and the members' confirmation and returns by its deadline; :meth:`average` does all three.
+    Nothing here knows about models, chains or validators: ``scope`` names the run, ``signer``/``verify`` the keys.
     """
 
     def __init__(
@@ -145,18 +167,37 @@ class PseudoGradientAverager:
         dht: hivemind.DHT,
         shapes: Sequence[torch.Size],
         config: AveragingConfig,
+        *,
+        codec: SegmentCodec | None = None,
+        signer: Signer | None = None,
+        verify: Verifier = verify_signature,
         state_provider: StateProvider | None = None,
+        faults: AllReduceFaults | None = None,
     ):
-        self.config = config
+        """``codec`` defaults to ``config.compression`` with default settings; a contributing peer without a
+        ``signer`` signs with a key made for this process (a neuron passes its hotkey)."""
+        codec = codec or get_codec(config.compression)
+        if signer is None and not config.auxiliary:
+            signer = ephemeral_signer()
+        self.config, self.codec, self.signer, self.verify, self.dht = config, codec, signer, verify, dht
         self.shapes = [torch.Size(shape) for shape in shapes]
         if not self.shapes or any(shape.numel() == 0 for shape in self.shapes):
             raise ValueError("shapes must be a non-empty list of non-empty shapes")
-        self._buffers = [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes]
+        if codec.name != config.compression:
+            raise ValueError(f"the codec is {codec.name!r}, the configuration says {config.compression!r}")
+        numel = sum(shape.numel() for shape in self.shapes)
+        self.buffer = ContributionBuffer(SegmentLayout(numel, codec.segment_values), codec)
+        self._output = torch.zeros(numel, dtype=torch.float32)
+        self._input = torch.zeros(1 if config.auxiliary else self.buffer.nbytes, dtype=torch.uint8)
         self._closed = False
         self._averager = CheckedAverager(
-            self._buffers,  # hivemind moves them to shared memory in place: the child process writes here
+            [self._output, self._input],  # hivemind moves them to shared memory: the child process reads/writes here
             dht,
             start=False,
+            buffer=self.buffer,
+            signer=signer,
+            verify=verify,
+            faults=faults or AllReduceFaults(),
             prefix=config.prefix,
             target_group_size=config.target_group_size,
             min_group_size=config.min_group_size,
@@ -164,8 +205,6 @@ class PseudoGradientAverager:
             request_timeout=config.request_timeout,
             allreduce_timeout=config.allreduce_timeout,
             next_chunk_timeout=config.next_chunk_timeout,
-            part_size_bytes=config.part_size_bytes,
-            compression=get_compression(config.compression),
             auxiliary=config.auxiliary,
             bandwidth=0.0 if config.auxiliary else None,  # auxiliaries own no share of the vector
             allow_state_sharing=state_provider is not None,
@@ -175,6 +214,9 @@ class PseudoGradientAverager:
             max_join_requests_per_minute=config.max_join_requests_per_minute,
             max_state_downloads_per_minute=config.max_state_downloads_per_minute,
         )
+        # members of a group must average the same thing: hivemind compares this hash at matchmaking; ours names the
+        # vector's length and the codec (an auxiliary's byte buffer is a placeholder of another size)
+        self._averager.schema_hash = hashlib.sha256(f"{numel}|{codec_descriptor(codec)}".encode()).digest()
         try:
             self._averager.run_in_background(await_ready=True, timeout=config.start_timeout)
         except BaseException:
@@ -185,29 +227,55 @@ class PseudoGradientAverager:
     def peer_id(self) -> str:
         return str(self._averager.peer_id)
 
-    def begin(
-        self, weight: float, gather: Any, scheduled_time: float, deadline: float | None = None
-    ) -> AveragingHandle:
-        """Start matchmaking now for an all-reduce at ``scheduled_time`` (time.time()); tensors come in finish().
+    def contribute(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> EncodedContribution:
+        """Encode this peer's tensors (or one flat vector) once, with the averager's codec."""
+        flat = tensors if isinstance(tensors, torch.Tensor) else torch.cat([t.detach().reshape(-1) for t in tensors])
+        if flat.numel() != self.buffer.layout.numel:
+            raise ValueError(f"expected {self.buffer.layout.numel} values, got {flat.numel()}")
+        return encode_contribution(self.codec, flat.cpu())
 
-        ``weight`` (tokens) is announced to the group now and cannot change; auxiliaries' weight is ignored.
-        ``gather`` must be msgpack-able; everyone in the group receives it. ``deadline`` (time.time()) bounds
-        matchmaking; it defaults to ``scheduled_time + allreduce_timeout``.
+    def begin(
+        self, contribution: EncodedContribution | Sequence[torch.Tensor] | None, weight: float, gather: Any,
+        scheduled_time: float, deadline: float | None = None, *, scope: str = "", round: int = 0,
+    ) -> AveragingHandle:
+        """Commit to ``contribution`` (tensors are encoded here; None for auxiliaries), and start matchmaking now
+        for an all-reduce at ``scheduled_time`` (time.time()).
+
+        The signed commitment to (``scope``, ``round``, codec, root) and the segments with their signed statements
+        are fixed here: what the all-reduce sends is exactly what was committed. ``weight`` (tokens) is announced to
+        the group now and cannot change; auxiliaries' weight is ignored. ``gather`` must be msgpack-able; everyone in
+        the group receives it. ``deadline`` (time.time()) bounds matchmaking; it defaults to ``scheduled_time +
+        allreduce_timeout``.
         """
         self._check_open()
-        weight = 0.0 if self.config.auxiliary else float(weight)
+        auxiliary = self.config.auxiliary
+        weight = 0.0 if auxiliary else float(weight)
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
+        if (contribution is None) != auxiliary:
+            raise ValueError("auxiliaries contribute nothing; every other peer contributes")
         if deadline is None:
             deadline = scheduled_time + self.config.allreduce_timeout
         if not scheduled_time < deadline:
             raise ValueError("scheduled_time must be before the deadline")
-        control = self._step(weight, gather, scheduled_time, deadline, require_trigger=True)
-        return AveragingHandle(control, weight, gather, deadline)
+        scope = scope or self.config.prefix
+        commitment = None
+        if contribution is not None and not isinstance(contribution, EncodedContribution):
+            contribution = self.contribute(contribution)
+        if contribution is not None:
+            commitment = Commitment.sign(self.signer, scope, round, contribution)
+            statements = sign_statements(self.signer, scope, round, contribution)
+            if not self._with_buffers(deadline, self.buffer.write, self._input, contribution, statements):
+                raise TimeoutError("the averaging buffers stayed locked by an earlier all-reduce")
+        terms = dict(scope=scope, round=round, codec=codec_descriptor(self.codec))
+        blob = dict(weight=weight, data=gather, terms=terms,
+                    commitment=None if commitment is None else commitment.to_wire())
+        control = self._step(weight, blob, scheduled_time, deadline, require_trigger=True)
+        return AveragingHandle(control, weight, blob, deadline, commitment)
 
-    def _step(self, weight: float, gather: Any, scheduled_time: float, deadline: float, require_trigger: bool):
+    def _step(self, weight: float, blob: Any, scheduled_time: float, deadline: float, require_trigger: bool):
         return self._averager.step(
-            gather=dict(weight=weight, data=gather),
+            gather=blob,
             weight=None if self.config.auxiliary else weight,
             scheduled_time=scheduled_time,
             timeout=max(deadline - time.time(), 1e-3),
@@ -216,21 +284,14 @@ class PseudoGradientAverager:
             wait=False,
         )
 
-    def finish(
-        self, handle: AveragingHandle, deltas: Sequence[torch.Tensor] | None, deadline: float
-    ) -> AveragingResult:
-        """Hand over this peer's tensors (None for auxiliaries), run the all-reduce, return by ``deadline``.
+    def finish(self, handle: AveragingHandle, deadline: float) -> AveragingResult:
+        """Run the all-reduce that :meth:`begin` prepared, then the members' confirmation; return by ``deadline``.
 
         ``seconds`` of the result is the time spent in this call (waiting for the group, then the all-reduce).
         """
         self._check_open()
         started = time.monotonic()
         deadline = min(deadline, handle.deadline)
-        if not self.config.auxiliary:
-            self._check_deltas(deltas)
-        if not self._with_buffers(deadline, self._load, deltas):
-            handle.control.cancel()
-            return self._failure(started, "the averaging buffers stayed locked by an earlier all-reduce")
         control = handle.control
         control.allow_allreduce()
         while True:
@@ -251,12 +312,19 @@ class PseudoGradientAverager:
                 control = self._step(handle.weight, handle.gather, retry_at, deadline, require_trigger=False)
 
         report, gathered = outcome["report"], outcome["gathered"]
-        reason = report["failure"]
+        conflicts = self._confirm(report, gathered, handle, deadline)
+        reason = report["failure"] or (f"owner(s) {conflicts} sent different members different signed shares: "
+                                       "round refused by all" if conflicts else "")
         averaged: list[torch.Tensor] | None = None
         if not reason:
-            averaged = []
-            if not self._with_buffers(deadline, lambda: averaged.extend(b.clone() for b in self._buffers)):
-                averaged, reason = None, "the averaged result could not be read before the deadline"
+            flat: list[torch.Tensor] = []
+            if self._with_buffers(deadline, lambda: flat.append(self._output.clone())):
+                averaged = [part.view(shape) for part, shape in
+                            zip(flat[0].split([s.numel() for s in self.shapes]), self.shapes, strict=True)]
+            else:
+                reason = "the averaged result could not be read before the deadline"
+        audit = {key: report[key] for key in ("senders", "ranges", "segments", "certificates", "failed_owners")}
+        audit["conflicts"] = conflicts
         return AveragingResult(
             ok=not reason,
             averaged=averaged,
@@ -269,16 +337,59 @@ class PseudoGradientAverager:
             weights={peer: _weight_of(data) for peer, data in gathered.items()},
             coverage=report["coverage"],
             group_id=report["group_id"],
+            commitments={peer: data["commitment"] for peer, data in gathered.items()
+                         if isinstance(data, dict) and isinstance(data.get("commitment"), dict)},
+            audit=audit,
         )
 
     def average(
-        self, deltas: Sequence[torch.Tensor] | None, weight: float, gather: Any, deadline: float
+        self, tensors: Sequence[torch.Tensor] | None, weight: float, gather: Any, deadline: float, round: int = 0,
     ) -> AveragingResult:
-        """Find a group now and all-reduce ``deltas`` weighted by ``weight``; return by ``deadline`` (time.time())."""
+        """Encode ``tensors`` (None for auxiliaries), find a group now and all-reduce them weighted by ``weight``;
+        return by ``deadline`` (time.time())."""
         scheduled_time = time.time() + self.config.matchmaking_time
         if scheduled_time >= deadline:
             return AveragingResult(False, None, {}, 0, 0.0, 0, "deadline is shorter than matchmaking_time")
-        return self.finish(self.begin(weight, gather, scheduled_time, deadline), deltas, deadline)
+        return self.finish(self.begin(tensors, weight, gather, scheduled_time, deadline, round=round), deadline)
+
+    # -- the members' confirmation --------------------------------------------------------------------------
+
+    def _confirm(self, report: dict, gathered: dict, handle: AveragingHandle, deadline: float) -> list[int]:
+        """After the all-reduce: every member posts the owners' signed certificates it received, then reads the
+        others' (until all members posted, ``confirmation_time`` passed, or the deadline). Two validly signed
+        certificates of one owner that differ — it sent different bytes to different members, or averaged
+        against other commitments — make every member that sees them refuse the round. Returns those owners."""
+        certificates = report.get("certificates", {})
+        if not report.get("group_id"):
+            return []
+        key = f"{self.config.prefix}_confirm_{report['group_id']}"
+        ours = {owner: [c["digest"], c["commitments"], c["signature"]] for owner, c in certificates.items()}
+        expiration = get_dht_time() + CONFIRMATION_TTL_S
+        try:
+            self.dht.store(key, ours, expiration_time=expiration, subkey=self.peer_id)
+        except Exception as err:  # a DHT hiccup must not fail the round: we just do not confirm
+            logger.warning("could not post our confirmation: %r", err)
+            return []
+        keys = _owner_keys(report, gathered)
+        terms = handle.gather["terms"]
+        group_id = bytes.fromhex(report["group_id"])
+        until = min(deadline, time.time() + self.config.confirmation_time)
+        while True:
+            found = self.dht.get(key, latest=True)
+            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+            seen: dict[str, set[tuple[str, str]]] = {}
+            for entry in entries.values():
+                record = getattr(entry, "value", None)
+                for owner, claim in (record.items() if isinstance(record, dict) else []):
+                    if _valid_certificate(owner, claim, keys, report, terms, group_id, self.verify):
+                        seen.setdefault(owner, set()).add((claim[0], claim[1]))
+            conflicts = sorted(int(owner) for owner, claims in seen.items() if len(claims) > 1)
+            if conflicts:
+                logger.warning("owners %s signed different shares for different members: round refused", conflicts)
+                return conflicts
+            if len(entries) >= len(gathered) or time.time() >= until:
+                return []
+            time.sleep(CONFIRMATION_POLL_S)
 
     def set_state_priority(self, priority: float) -> None:
         """Peers loading state pick the sharing peer with the highest priority: pass e.g. the round number."""
@@ -327,24 +438,6 @@ class PseudoGradientAverager:
         if self._closed:
             raise RuntimeError("the averager was shut down")
 
-    def _check_deltas(self, deltas: Sequence[torch.Tensor] | None) -> None:
-        if deltas is None or len(deltas) != len(self.shapes):
-            raise ValueError(f"expected {len(self.shapes)} tensors")
-        for delta, shape in zip(deltas, self.shapes, strict=True):
-            if delta.shape != shape or delta.device.type != "cpu":
-                raise ValueError(
-                    f"expected a CPU tensor of shape {tuple(shape)}, got {tuple(delta.shape)} on {delta.device}"
-                )
-
-    def _load(self, deltas: Sequence[torch.Tensor] | None) -> None:
-        for buffer, delta in zip(
-            self._buffers, deltas if deltas is not None else [None] * len(self._buffers), strict=True
-        ):
-            if delta is None:
-                buffer.zero_()
-            else:
-                buffer.copy_(delta.detach())
-
     def _with_buffers(self, deadline: float, function: Callable, *args) -> bool:
         """Run ``function`` while holding the averager's tensor lock; False if the lock stays taken past deadline."""
         lock = self._averager.lock_averaged_tensors
@@ -359,6 +452,33 @@ class PseudoGradientAverager:
     def _failure(self, started: float, reason: str) -> AveragingResult:
         logger.warning("averaging failed: %s", reason)
         return AveragingResult(False, None, {}, 0, time.monotonic() - started, 0, reason)
+
+
+def _owner_keys(report: dict, gathered: dict) -> dict[str, str]:
+    """owner index (as a string) -> the key that signs its certificates: the key of its commitment."""
+    senders, keys = report.get("senders", []), {}
+    members = list(gathered)
+    for index, peer in enumerate(members):
+        data = gathered[peer]
+        commitment = data.get("commitment") if isinstance(data, dict) else None
+        if peer in senders and isinstance(commitment, dict) and isinstance(commitment.get("key"), str):
+            keys[str(index)] = commitment["key"]
+    return keys
+
+
+def _valid_certificate(owner: Any, claim: Any, keys: dict[str, str], report: dict, terms: dict, group_id: bytes,
+                       verify: Verifier) -> bool:
+    """Whether ``claim`` ([digest, commitments, signature] in hex) is ``owner``'s valid signature of its share."""
+    ranges = report.get("ranges", [])
+    try:
+        index = int(owner)
+        digest, commitments, signature = (bytes.fromhex(part) for part in claim)
+        start, stop = ranges[index]
+        message = certificate_bytes(terms["scope"], terms["round"], group_id, index, start, stop, digest, commitments)
+    except (TypeError, ValueError, IndexError, KeyError):
+        return False
+    key = keys.get(str(index))
+    return key is not None and verify(key, message, signature)
 
 
 def _weight_of(gathered: Any) -> float:

@@ -1,11 +1,13 @@
 """The averager process of the checked all-reduce: a hivemind ``DecentralizedAverager`` that runs our runner.
 
 Protocol part: :class:`CheckedAverager` keeps hivemind's matchmaking (peers of one ``prefix`` form a group; each
-member's gathered data carries its mode and the weight (tokens) it announces) and its state sharing, and runs
-each all-reduce with :class:`~template.training.allreduce_runner.CheckedAllReduceRunner` (see
-:mod:`template.training.allreduce_runner`), in the averager's own process. After the runner, it writes the
-result into the shared averaging buffers only when it is complete and finite, and hands the host process
-(:mod:`template.training.averaging`) the runner's report with every member's gathered data.
+member's gathered data carries its mode, the weight (tokens) it announces, the terms of the round and its signed
+contribution commitment) and its state sharing, and runs each all-reduce with
+:class:`~template.training.allreduce_runner.CheckedAllReduceRunner` (see :mod:`template.training.allreduce_runner`),
+in the averager's own process. The host hands it this peer's encoded contribution through a shared byte buffer
+(:class:`ContributionBuffer`: segments, leaves, signed statements, written once per round); the averaged vector comes
+back through a shared float buffer, written only when the result is complete, together with the runner's report
+(who was included where, certificates) and every member's gathered data.
 
 What is guaranteed when a peer disappears mid-round or misbehaves:
 
@@ -25,26 +27,115 @@ hivemind derives each handler's wire form from them.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import typing
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
 from template.p2p.ratelimit import RateLimiter
-from template.training.allreduce_runner import CheckedAllReduceRunner, _parse_group
+from template.training.allreduce_runner import (
+    AllReduceFaults,
+    CheckedAllReduceRunner,
+    OwnContribution,
+    RoundTerms,
+    SegmentLayout,
+)
+from template.training.codecs import SegmentCodec
+from template.training.contribution import (
+    DIGEST_BYTES,
+    Commitment,
+    ContributionError,
+    EncodedContribution,
+    Signer,
+    Verifier,
+    codec_descriptor,
+)
 
-__all__ = ["CheckedAverager", "StateProvider"]
+__all__ = ["CheckedAverager", "ContributionBuffer", "StateProvider", "parse_group"]
 
 logger = logging.getLogger(__name__)
 
 # runs in the host process when a peer downloads our state: (metadata, tensors)
 StateProvider = Callable[[], "tuple[dict, Sequence[torch.Tensor]]"]
+SIGNATURE_BYTES = 64  # sr25519
+
+
+@dataclass(frozen=True)
+class ContributionBuffer:
+    """Where in the shared byte buffer the host puts this peer's contribution: every segment (each codec is
+    fixed-size for a given length), then the leaves, then the signed statements."""
+
+    layout: SegmentLayout
+    codec: SegmentCodec
+
+    @property
+    def segment_sizes(self) -> list[int]:
+        return [self.codec.encoded_size(self.layout.numel_of(k)) for k in range(self.layout.count)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.segment_sizes) + self.layout.count * (DIGEST_BYTES + SIGNATURE_BYTES)
+
+    def write(self, buffer: torch.Tensor, contribution: EncodedContribution, statements: Sequence[bytes]) -> None:
+        sizes = [len(s) for s in contribution.segments]
+        if sizes != self.segment_sizes or any(len(s) != SIGNATURE_BYTES for s in statements):
+            raise ValueError("the contribution does not fit the buffer's layout")
+        data = b"".join((*contribution.segments, *contribution.leaves, *statements))
+        buffer[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def read(self, buffer: torch.Tensor) -> OwnContribution:
+        data, offset, segments = buffer.numpy().tobytes(), 0, []
+        for size in self.segment_sizes:
+            segments.append(data[offset:offset + size])
+            offset += size
+        count = self.layout.count
+        leaves = [data[offset + i * DIGEST_BYTES:offset + (i + 1) * DIGEST_BYTES] for i in range(count)]
+        offset += count * DIGEST_BYTES
+        statements = [data[offset + i * SIGNATURE_BYTES:offset + (i + 1) * SIGNATURE_BYTES] for i in range(count)]
+        return OwnContribution(tuple(segments), tuple(leaves), tuple(statements))
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a group as its gathered data describes it."""
+
+    mode: AveragingMode
+    weight: float | None  # None: malformed announcement (its segments are dropped)
+    terms: dict | None  # {scope, round, codec}: what it averages
+    commitment: Commitment | None  # None for auxiliaries and for malformed/unsigned commitments
+
+
+def parse_group(group_info: GroupInfo) -> list[Member]:
+    """Every member's mode, announced weight, terms and commitment, from the data gathered at matchmaking."""
+    members = []
+    for blob in group_info.gathered:
+        _bandwidth, mode_id, user_blob = MSGPackSerializer.loads(blob)
+        mode = AveragingMode(mode_id)
+        try:
+            user = MSGPackSerializer.loads(user_blob)
+            weight, terms, wire = user.get("weight"), user.get("terms"), user.get("commitment")
+        except Exception:  # a malformed gather: that peer's parts get dropped, the round goes on
+            weight = terms = wire = None
+        if mode == AveragingMode.AUX:
+            weight, wire = 0.0, None
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight >= 0
+        try:
+            commitment = None if wire is None else Commitment.from_wire(wire)
+        except ContributionError:
+            commitment = None
+        members.append(Member(mode, float(weight) if ok else None, terms if isinstance(terms, dict) else None,
+                              commitment))
+    return members
 
 
 class CheckedAverager(DecentralizedAverager):
@@ -60,12 +151,17 @@ class CheckedAverager(DecentralizedAverager):
         averaged_tensors: Sequence[torch.Tensor],
         dht: hivemind.DHT,
         *,
+        buffer: ContributionBuffer,
+        signer: Signer | None,
+        verify: Verifier,
+        faults: AllReduceFaults,
         norm_clip_multiple: float | None,
         state_provider: StateProvider | None,
         max_join_requests_per_minute: int,
         max_state_downloads_per_minute: int,
         **kwargs,
     ):
+        self._buffer, self._signer, self._verify, self._faults = buffer, signer, verify, faults
         self._norm_clip_multiple = norm_clip_multiple
         self._state_provider = state_provider
         self._reports: dict[bytes, dict] = {}
@@ -102,42 +198,68 @@ class CheckedAverager(DecentralizedAverager):
             report=self._reports.pop(group_info.group_id),
         )
 
-    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: bytes | None = None, **kwargs):
+    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: bytes | None = None, *,
+                                      peer_fractions, weight, sender_timeout, reducer_timeout, **_):
         group_id = group_info.group_id if group_id is None else group_id
-        modes, weights = _parse_group(group_info)
+        output, contribution = tensors
+        members = parse_group(group_info)
+        me = members[group_info.peer_ids.index(self.peer_id)]
+        terms = self._terms(me, members)
         runner = CheckedAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
             group_id=group_id,
-            tensors=tensors,
+            weight=weight,
             ordered_peer_ids=group_info.peer_ids,
-            modes=modes,
-            announced_weights=weights,
+            peer_fractions=peer_fractions,
+            modes=[m.mode for m in members],
+            announced_weights=[m.weight for m in members],
+            terms=terms,
+            own=None if me.mode == AveragingMode.AUX else self._buffer.read(contribution),
             clip_multiple=self._norm_clip_multiple,
-            **kwargs,
+            sender_timeout=sender_timeout,
+            reducer_timeout=reducer_timeout,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
 
-        averaged = [tensor async for tensor in runner]
+        await runner.execute()
         report = runner.report()
         # hivemind would call a partial result a success; we report it as a failure (without raising, so that
-        # hivemind neither logs it as a crash nor retries) and leave the buffers untouched
+        # hivemind neither logs it as a crash nor retries) and leave the buffers untouched. Every registered segment
+        # was checked finite when it was decoded: no second pass over the whole vector.
         failure = ""
         if report["values_failed"]:
             received = 100.0 * (1 - report["values_failed"] / report["values_total"])
             failure = f"partial all-reduce: received {received:.1f}% of the averaged values"
-        elif not all(bool(torch.isfinite(tensor).all()) for tensor in averaged):
-            failure = "the averaged result is not finite"
         else:
-            for tensor, result in zip(tensors, averaged, strict=True):
-                tensor.copy_(result)
+            output.copy_(runner.output)
             self.last_updated = time.time()
             self._state_updated.set()
         if failure:
             logger.warning("all-reduce in group %s failed: %s", group_id.hex(), failure)
         self._reports[group_id] = dict(report, group_id=group_id.hex(), failure=failure)
+
+    def _terms(self, me: Member, members: list[Member]) -> RoundTerms:
+        """What this round is about (from our own gathered data), and each sender's commitment when it is signed
+        and for exactly these terms (otherwise None: that sender's segments are refused)."""
+        if me.terms is None:
+            raise ValueError("our own gathered data carries no terms")
+        scope, round = str(me.terms.get("scope")), int(me.terms.get("round", -1))
+        codec = codec_descriptor(self._buffer.codec)
+        if me.terms.get("codec") != codec:
+            raise ValueError(f"our terms name codec {me.terms.get('codec')!r}, the averager runs {codec!r}")
+        commitments = []
+        for member in members:
+            if member.mode == AveragingMode.AUX:
+                continue
+            c = member.commitment
+            fits = c is not None and (c.scope, c.round, c.codec, c.numel) == (scope, round, codec,
+                                                                               self._buffer.layout.numel)
+            commitments.append(c if fits and c.verify(self._verify) else None)
+        return RoundTerms(scope, round, self._buffer.codec, self._buffer.layout, tuple(commitments), self._verify,
+                          self._signer, self._faults)
 
     def get_current_state(self):
         """Runs in the host process when a peer downloads our state (only when a provider was given)."""

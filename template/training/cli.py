@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from template.training.averaging import AveragingConfig
-from template.training.compression import CODEC_NAMES
+from template.training.codecs import CODEC_NAMES, SegmentCodec, get_codec
 from template.training.data import DataConfig
 from template.training.inner import InnerConfig
 from template.training.model import MODEL_PRESETS
@@ -105,6 +105,12 @@ def averaging_flags_from(args: argparse.Namespace) -> AveragingFlags:
     return AveragingFlags(compression=args.averaging_compression, matchmaking_time=args.averaging_matchmaking_time,
                           allreduce_timeout=args.averaging_allreduce_timeout,
                           next_chunk_timeout=args.averaging_next_chunk_timeout)
+
+
+def codec_from(flags: AveragingFlags) -> SegmentCodec:
+    """The codec of ``--averaging.compression`` (every peer of a run must use the same: it is part of the run's
+    identity)."""
+    return get_codec(flags.compression)
 
 
 def averaging_config(flags: AveragingFlags, expected_peers: int, *, phase_s: float | None = None,

@@ -4,9 +4,10 @@ A round reads like the pseudo-code of DESIGN.md §1 (:meth:`DiLoCoPeer.run_round
 :class:`RoundOutcome` out)::
 
     θ_local ← θ_r
-    the plan's inner AdamW steps on its windows of round r            (matchmaking starts during the last ones)
+    the plan's inner AdamW steps on its windows of round r
     Δ  = θ_r − θ_local
-    Δ̄  = all-reduce(Δ, weight = tokens)                              (checked; never a partial result)
+    c  = encode(Δ + e), e ← (Δ + e) − decode(c)                       (once; e: the codec's error feedback, if any)
+    Δ̄  = all-reduce(c, weight = tokens)                              (committed, checked; never a partial result)
     θ_{r+1} = OuterNesterov(θ_r, Δ̄)
 
 What is guaranteed when things go wrong:
@@ -19,8 +20,11 @@ What is guaranteed when things go wrong:
   used only by the peers whose base is the token-weighted majority's; the others re-sync from peers.
 - A peer with another model, vocabulary, data or run id fails fast at start (``RunMismatchError``), naming what
   differs; such peers never share an averaging group (the group prefix carries the run fingerprint).
-- After every round the state (θ, outer momentum, inner AdamW state, round) is checkpointed atomically; a
-  restarted peer resumes from it when no live peer is further along.
+- After every round the state (θ, outer momentum, inner AdamW state, error-feedback residual, round) is checkpointed
+  atomically; a restarted peer resumes from it when no live peer is further along (a peer that starts from a live
+  peer's state starts with an empty residual).
+- The contribution c is encoded once, signed (a commitment to its Merkle root) and travels as exactly those bytes
+  (:mod:`template.training.contribution`); the outcome carries it, so a publication can be exactly what went in.
 
 How a peer joins and re-syncs (identity record, ready barrier, state sharing) is :mod:`template.training.joining`.
 """
@@ -28,7 +32,6 @@ How a peer joins and re-syncs (identity record, ready barrier, state sharing) is
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -39,23 +42,25 @@ import hivemind
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from template.training.allreduce_runner import AllReduceFaults
 from template.training.averaging import AveragingConfig, AveragingResult, PseudoGradientAverager
 from template.training.checkpoint import flatten_state, load_latest_checkpoint, save_checkpoint, unflatten_state
+from template.training.codecs import SegmentCodec, get_codec
+from template.training.contribution import EncodedContribution, Signer, codec_descriptor
 from template.training.data import DataAssignment, TokenCorpus
 from template.training.distributed import NodeGroup
 from template.training.inner import InnerTrainer, evaluate
 from template.training.joining import SharedState, announce_run_identity, check_run_identity, wait_until_ready
 from template.training.model import build_model, place_model
 from template.training.outer import OuterOptimizer
-from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport
-from template.training.spec import RunMismatchError, RunSpec
+from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport, Tensors
+from template.training.spec import RunMismatchError, RunSpec, fingerprint_of
 
 __all__ = ["DiLoCoPeer", "Progress", "RoundOutcome", "RoundPlan", "RoundReport", "RunMismatchError", "RunSpec"]
 
 log = logging.getLogger(__name__)
 
-# Seconds of inner training that overlap matchmaking's DHT round trips (see DiLoCoPeer._matchmaking_lead_steps).
-MATCHMAKING_LEAD_S = 1.5
+Contribute = Callable[[int, Tensors], Tensors]  # (round, Δ) -> what enters the all-reduce (a behaviour's choice)
 
 
 class DiLoCoPeer:
@@ -75,7 +80,15 @@ class DiLoCoPeer:
         node: NodeGroup | None = None,
         heldout_batches: int = 4,
         on_progress: Callable[[Progress], None] | None = None,
+        codec: SegmentCodec | None = None,
+        signer: Signer | None = None,
+        scope: str = "",
+        faults: AllReduceFaults | None = None,
     ) -> None:
+        """``codec`` encodes contributions (default: the averaging config's compression with default settings);
+        ``signer`` signs them (a neuron's hotkey; default: a key made for this process); ``scope`` names where
+        commitments count (a neuron passes its subnet; the run's prefix is always part of it); ``faults`` are an
+        adversarial peer's all-reduce misbehaviours (tests and research only)."""
         node = node or NodeGroup()
         if corpus.seq_len != spec.seq_len:
             raise ValueError(f"corpus windows are {corpus.seq_len} tokens, the run uses seq_len {spec.seq_len}")
@@ -91,8 +104,11 @@ class DiLoCoPeer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.heldout_batches = heldout_batches
         self.on_progress = on_progress
-        self.fingerprint = spec.fingerprint(corpus, vocab_size)
-        self.identity = spec.identity(corpus, vocab_size)
+        averaging = averaging or AveragingConfig()
+        self.codec = codec or get_codec(averaging.compression)
+        # every peer of the run encodes alike: the codec (with its settings) is part of the run's identity
+        self.identity = dict(spec.identity(corpus, vocab_size), codec=codec_descriptor(self.codec))
+        self.fingerprint = fingerprint_of(self.identity)
         self.assignment = DataAssignment(corpus.fingerprint, corpus.num_windows, spec.run_seed, spec.heldout_fraction)
 
         self.model = place_model(build_model(spec.model, vocab_size, spec.seq_len, init_seed=spec.init_seed), device)
@@ -101,19 +117,22 @@ class DiLoCoPeer:
         self.outer = OuterOptimizer(self.model, spec.outer)
         self.state = SharedState(self.outer, self.fingerprint)
         self._resync_needed = False  # the last all-reduce failed: look for a peer that completed it
-        self._step_time_s: float | None = None  # running estimate, to schedule matchmaking ahead
+        numel = sum(p.numel() for p in self.model.parameters())
+        # what the codec did not send yet (error feedback), added to the next contribution; empty for dense codecs
+        self.residual = torch.zeros(numel if self.codec.error_feedback else 0, dtype=torch.float32)
 
         self.dht = dht
         # the run's peers, and only they, average together: the group prefix carries the run fingerprint
-        self.averaging_config = replace(averaging or AveragingConfig(), prefix=f"{spec.run_id}_{self.fingerprint}")
+        self.averaging_config = replace(averaging, prefix=f"{spec.run_id}_{self.fingerprint}")
+        self.scope = f"{scope}/{self.averaging_config.prefix}" if scope else self.averaging_config.prefix
         self.min_contributors = min(2, self.averaging_config.min_group_size)  # trainers a group needs to count
         self.averager: PseudoGradientAverager | None = None
         if node.is_leader:
             assert dht is not None
             check_run_identity(dht, spec.run_id, self.identity)
             shapes = [p.shape for p in self.model.parameters()]
-            self.averager = PseudoGradientAverager(dht, shapes, self.averaging_config,
-                                                   state_provider=self.state.snapshot)
+            self.averager = PseudoGradientAverager(dht, shapes, self.averaging_config, codec=self.codec,
+                                                   signer=signer, state_provider=self.state.snapshot, faults=faults)
 
     @property
     def round(self) -> int:
@@ -138,6 +157,7 @@ class DiLoCoPeer:
                         checkpoint.metadata.get("fingerprint"), self.fingerprint)
         if self.averager is not None and self.state.adopt_from_peers(self.averager, peer_timeout_s, self.round):
             source = f"peer state round {self.round}"
+            self.residual.zero_()  # what this peer had not sent belongs to the state it left behind
         self._sync_ranks()
         return source
 
@@ -162,12 +182,14 @@ class DiLoCoPeer:
         round = self.round if round is None else round
         return RoundPlan(round, tuple(self.assigned_windows(round)), self.spec.inner_steps, train_until, finish_by)
 
-    def run_round(self, plan: RoundPlan) -> RoundOutcome:
+    def run_round(self, plan: RoundPlan, contribute: Contribute | None = None) -> RoundOutcome:
         """Run ``plan`` (see the module docstring) and say what happened.
 
-        A plan for a later round than the peer's moves the peer there (a chain-clocked neuron that missed rounds)
-        and re-syncs θ from live peers first. If that re-sync adopts a state that is already past the plan's round,
-        the plan is stale: nothing is trained and the outcome says so (plan the peer's new round next).
+        ``contribute`` (default: Δ itself) chooses what enters the all-reduce — an attack on the contribution is a
+        behaviour; whatever it returns is what gets encoded, committed and sent. A plan for a later round than the
+        peer's moves the peer there (a chain-clocked neuron that missed rounds) and re-syncs θ from live peers first.
+        If that re-sync adopts a state that is already past the plan's round, the plan is stale: nothing is trained
+        and the outcome says so (plan the peer's new round next).
         """
         if plan.round < self.round:
             raise ValueError(f"round {plan.round} is over: this peer is at round {self.round}")
@@ -186,44 +208,31 @@ class DiLoCoPeer:
         if self.round != plan.round:
             return self._stale(plan, round_started)
         r = plan.round
-        step_tokens = self.spec.batch_size * self.spec.seq_len
         self.outer.load_into(self.model)  # θ_local ← θ_r
         base_hash = self.outer.theta_hash()
         base = None if plan.contributes else [t.clone() for t in self.outer.params()]
         log.info("round %d starts from θ %s", r, base_hash[:12])
-        batches = self._rank_batches(list(plan.windows))
+        stats = self._train(self._rank_batches(list(plan.windows)), plan.max_steps, plan.train_until, r, 0,
+                            plan.max_steps)
 
-        # Train until a few steps before the end, start matchmaking, then finish training while it runs.
-        lead_steps = self.node.broadcast_int(self._matchmaking_lead_steps(plan.max_steps))
-        stats_head = self._train(batches, plan.max_steps - lead_steps, plan.train_until, r, 0, plan.max_steps)
-        if plan.train_until is not None and self.node.is_leader:
-            # On a shared clock every peer starts matchmaking at the same moment, however early it finished
-            # training (or had nothing to train: a validator): otherwise the early ones would form the round's
-            # group among themselves and leave the others out.
-            time.sleep(max(0.0, plan.train_until - MATCHMAKING_LEAD_S - time.time()))
-        handle = None
-        if self.averager is not None:
-            remaining_s = lead_steps * (self._step_time_s or 0.0)
-            scheduled = time.time() + max(remaining_s, self.averaging_config.matchmaking_time)
-            gather = dict(peer_key=self.peer_key, round=r, base=base_hash, fingerprint=self.fingerprint)
-            announced_tokens = stats_head.tokens + lead_steps * step_tokens  # the weight is fixed at matchmaking
-            handle = self.averager.begin(announced_tokens, gather, scheduled,
-                                         deadline=self._allreduce_deadline(scheduled, plan.finish_by))
-        stats_tail = self._train(batches, lead_steps, plan.train_until, r, stats_head.steps, plan.max_steps)
-        steps = stats_head.steps + stats_tail.steps
-        tokens = stats_head.tokens + stats_tail.tokens
-        inner_s = stats_head.seconds + stats_tail.seconds
-        if steps:
-            self._step_time_s = inner_s / steps
-        losses = [(s.mean_loss, s.steps) for s in (stats_head, stats_tail) if s.mean_loss is not None]
-        train_loss = sum(loss * n for loss, n in losses) / steps if steps else None
-
-        # Δ, all-reduce, outer step (leader); then every rank takes θ_{r+1} from the leader.
+        # Δ, its encoding, the all-reduce and the outer step (leader); then every rank takes θ_{r+1} from the leader.
         allreduce_started = time.monotonic()
-        delta = result = None
-        if self.averager is not None and handle is not None:
-            delta = self.outer.pseudo_gradient(self.model) if plan.contributes else None
-            result = self.averager.finish(handle, delta, self._allreduce_deadline(time.time(), plan.finish_by))
+        delta = contribution = result = handle = None
+        if self.averager is not None:
+            if plan.train_until is not None:
+                # On a shared clock every peer starts matchmaking at the same moment, however early it finished
+                # training (or had nothing to train: a validator): otherwise the early ones would form the round's
+                # group among themselves and leave the others out.
+                time.sleep(max(0.0, plan.train_until - time.time()))
+            if plan.contributes:
+                delta = self.outer.pseudo_gradient(self.model)
+                contribution = self._encode(contribute(r, delta) if contribute is not None else delta)
+            scheduled = time.time() + self.averaging_config.matchmaking_time
+            gather = dict(peer_key=self.peer_key, round=r, base=base_hash, fingerprint=self.fingerprint)
+            handle = self.averager.begin(contribution, stats.tokens, gather, scheduled,
+                                         deadline=self._allreduce_deadline(scheduled, plan.finish_by),
+                                         scope=self.scope, round=r)
+            result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by))
         allreduce_s = time.monotonic() - allreduce_started
         took_step, reason = self._apply(result, base_hash) if self.node.is_leader else (False, "")
         with self.state.changing():
@@ -239,14 +248,26 @@ class DiLoCoPeer:
         heldout = self.evaluate_heldout(r) if self.heldout_batches else None
         self.save()
         report = RoundReport(
-            round=r, base_theta_hash=base_hash, inner_steps=steps, tokens=tokens, train_loss=train_loss,
-            heldout_loss=heldout,
+            round=r, base_theta_hash=base_hash, inner_steps=stats.steps, tokens=stats.tokens,
+            train_loss=stats.mean_loss, heldout_loss=heldout,
             allreduce_ok=took_step, reason=reason, group_size=result.group_size if result else 0,
-            allreduce_s=allreduce_s, round_s=time.monotonic() - round_started, inner_s=inner_s,
+            allreduce_s=allreduce_s, round_s=time.monotonic() - round_started, inner_s=stats.seconds,
             bytes_sent=result.bytes_sent if result else 0, theta_hash=self.outer.theta_hash(),
         )
         averaged = result.averaged if took_step and result is not None else None
-        return RoundOutcome(report, base, delta, averaged, result)
+        return RoundOutcome(report, base, delta, averaged, result, contribution,
+                            handle.commitment if handle is not None else None)
+
+    def _encode(self, tensors: Tensors) -> EncodedContribution:
+        """Encode what enters the all-reduce, once; with error feedback, what the codec left out waits for the next
+        round (e ← (x + e) − decode(encode(x + e)))."""
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        if self.residual.numel():
+            flat = flat + self.residual
+        contribution = self.averager.contribute(flat)
+        if self.residual.numel():
+            self.residual = flat - contribution.decoded
+        return contribution
 
     def _stale(self, plan: RoundPlan, round_started: float) -> RoundOutcome:
         """The outcome of a plan overtaken by an adopted peer state: nothing trained, nothing averaged."""
@@ -255,7 +276,7 @@ class DiLoCoPeer:
         theta_hash = self.outer.theta_hash()
         report = RoundReport(plan.round, theta_hash, 0, 0, None, None, False, reason, 0, 0.0,
                              time.monotonic() - round_started, 0.0, 0, theta_hash)
-        return RoundOutcome(report, None, None, None, None)
+        return RoundOutcome(report, None, None, None, None, None, None)
 
     def _apply(self, result: AveragingResult | None, base_hash: str) -> tuple[bool, str]:
         """Take the outer step if the all-reduce succeeded and our θ_r is the group's (majority) base."""
@@ -320,20 +341,6 @@ class DiLoCoPeer:
                                           total_tokens / max(seconds, 1e-9)))
         return _Stats(total_steps, total_tokens, loss_sum / total_steps if total_steps else None, seconds)
 
-    def _matchmaking_lead_steps(self, max_steps: int) -> int:
-        """How many of the round's ``max_steps`` inner steps before the end to start matchmaking.
-
-        Matchmaking costs a few DHT round trips; starting it about ``MATCHMAKING_LEAD_S`` before the last step hides
-        them behind training. Starting much earlier would not help: a group cannot run before its slowest member
-        finishes training, and members that finished wait for it.
-        """
-        if self.averager is None or max_steps < 2:
-            return 0
-        if not self._step_time_s:
-            return 1
-        needed = math.ceil(MATCHMAKING_LEAD_S / self._step_time_s)
-        return max(1, min(max_steps - 1, needed))
-
     def _allreduce_deadline(self, start: float, finish_by: float | None) -> float:
         budget = start + self.averaging_config.matchmaking_time + self.averaging_config.allreduce_timeout
         return budget if finish_by is None else max(min(budget, finish_by), start + 1.0)
@@ -355,14 +362,19 @@ class DiLoCoPeer:
             return None
         outer_tensors = {f"outer.{k}": v for k, v in self.outer.state_dict().items()}
         inner_tensors, inner_skeleton = flatten_state("inner", self.inner.state_dict())
+        feedback = {"feedback.residual": self.residual} if self.residual.numel() else {}
         metadata = dict(fingerprint=self.fingerprint, round=self.round, inner=inner_skeleton, peer_key=self.peer_key)
-        return save_checkpoint(self.checkpoint_dir, self.round, {**outer_tensors, **inner_tensors}, metadata)
+        return save_checkpoint(self.checkpoint_dir, self.round, {**outer_tensors, **inner_tensors, **feedback},
+                               metadata)
 
     def _load_checkpoint(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
         with self.state.changing():
             self.outer.load_state_dict({k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")})
             self.inner.load_state_dict(unflatten_state(metadata["inner"], tensors))
             self.state.round = int(metadata["round"])
+        residual = tensors.get("feedback.residual")
+        if residual is not None and residual.shape == self.residual.shape:
+            self.residual = residual.to(torch.float32).clone()
 
     def shutdown(self) -> None:
         if self.averager is not None:

@@ -1,38 +1,23 @@
-"""The part reducer of the checked all-reduce: how one owner turns its groupmates' contributions into one average.
+"""The part owner of the accountable all-reduce: turns its groupmates' verified segments into one average each.
 
-Protocol part: in a butterfly all-reduce the flat vector of all tensors is cut into parts, and each reducing peer
-*owns* a contiguous share of them (the runner in :mod:`template.training.allreduce_runner` moves the bytes). Every
-contributing peer sends each part of the owner's share together with its weight (tokens). For each part, the
-owner's :class:`CheckedPartReducer` waits for all live senders, then
-
-1. drops contributions that are undecodable, of the wrong size/dtype, non-finite, or whose weight differs
-   from the weight the sender announced at matchmaking (logged with the sender's peer id);
-2. clips each remaining contribution's L2 norm to ``clip_multiple`` × the *lower* median of their norms
-   (the lower median, so that in a group of two an inflated Δ is clipped to the honest one's scale), and caps each
-   sender's weight at :data:`WEIGHT_CAP_MULTIPLE` × the lower median of the weights announced at matchmaking (a
-   peer announcing 1e300 tokens would otherwise set the direction of the average alone);
-3. takes the weighted mean (float64 accumulation), checks it is finite, compresses it **once**, and hands out
-   those same bytes (:class:`PartResult`) for every peer of the group; the owner replaces its own part with the
-   decoded bytes too.
-
-Because every part is computed once and every peer decodes the same bytes with a deterministic decoder, all
-peers that succeed hold **bit-identical** Δ̄ for every codec (hivemind's stock runner sends per-peer deltas
-``average - local`` instead, so peers differ by ~1e-8 in fp32 and ~1e-3 with lossy codecs). Each reply also
-carries the set of senders that were included in that part (a bitmask in the otherwise unused ``peer_id`` field
-of ``AveragingData``) and their total weight, so every peer can report which senders made it into which fraction
-of the average.
+Protocol part: in a butterfly all-reduce each reducing peer *owns* a contiguous range of segments of the flat vector
+(the runner in :mod:`template.training.allreduce_runner` moves the bytes and checks every sender's segment against
+its signed root before handing it here). For each owned segment, :class:`CheckedPartReducer` waits for every live
+sender, then applies the owner's rule (:func:`template.training.reduction.reduce_segment`: drop what does not decode,
+is not finite or carries another weight than announced; clip norms to a multiple of the lower median; cap weights;
+float64 weighted mean; encode once), and hands out the same :class:`~template.training.segment_messages.AveragedSegment`
+— with the senders it includes and the refusals it can prove — for every member of the group.
 
 What is guaranteed when a sender disappears or misbehaves:
 
 - A sender that stops sending (the runner calls :meth:`CheckedPartReducer.on_sender_failed`) is excluded from the
-  parts it had not delivered yet; parts that it did deliver keep its contribution. No part ever waits for a
+  segments it had not delivered yet; segments that it did deliver keep its contribution. No segment ever waits for a
   contribution that will not come. Either way, the owner's bytes are the same for everyone.
-- A bad contribution (garbage, wrong size, non-finite, weight other than announced) is dropped from its part and
-  logged; an inflated norm or an inflated announced weight is clipped/capped. A part with no valid contribution,
-  or whose average is not finite, fails (every waiter gets an ``AllreduceException``), and so does every part
-  still pending when the reducer is finalized: a failed part is never handed out as a result.
-- Senders are kept in lock-step (part p only after part p-1 is reduced), so memory is one part per sender, and a
-  sender sending parts out of order is refused.
+- A refused or unusable contribution is left out of its segment and reported; a segment with no valid contribution,
+  or whose average does not decode to finite values, fails (every waiter gets an ``AllreduceException``), and so does
+  every segment still pending when the reducer is finalized: a failed segment is never handed out as a result.
+- Senders are kept in lock-step (segment p only after segment p-1 is reduced), so memory is one segment per sender,
+  and a sender sending segments out of order is refused.
 """
 
 from __future__ import annotations
@@ -45,29 +30,29 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import CompressionBase, CompressionInfo
-from hivemind.proto import averaging_pb2
 
-__all__ = ["WEIGHT_CAP_MULTIPLE", "CheckedPartReducer", "Contribution", "PartResult"]
+from template.training.codecs import SegmentCodec
+from template.training.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
+from template.training.segment_messages import AveragedSegment, Refusal
+
+__all__ = ["CheckedPartReducer", "Contribution", "PartResult"]
 
 logger = logging.getLogger(__name__)
-
-# A sender's weight (tokens) counts at most this many times the lower median of the group's announced weights.
-WEIGHT_CAP_MULTIPLE = 4.0
 
 
 @dataclass
 class PartResult:
-    reply: averaging_pb2.AveragingData  # the same message (same bytes) for every peer of the group
-    decoded: torch.Tensor  # what every peer writes into its result for this part
+    averaged: AveragedSegment  # the same for every member of the group
+    decoded: torch.Tensor  # what every member writes into its result for this segment
 
 
 @dataclass
 class Contribution:
+    """What one sender delivered for one segment: its verified bytes, or nothing usable (and a proof, if any)."""
+
     sender: int
-    tensor: torch.Tensor | None
-    weight: float
-    problem: str | None  # set when the sender's message could not even be decoded
+    segment: SegmentInput | None
+    refusal: Refusal | None = None
 
 
 class CheckedPartReducer:
@@ -80,18 +65,17 @@ class CheckedPartReducer:
 
     def __init__(
         self,
-        part_shapes: Sequence[torch.Size],
+        part_numels: Sequence[int],
         sender_names: Sequence[str],
         announced_weights: Sequence[float | None],
-        codec: CompressionBase,
+        codec: SegmentCodec,
         clip_multiple: float | None,
     ):
-        self.part_shapes, self.num_parts = tuple(part_shapes), len(part_shapes)
+        self.part_numels, self.num_parts = tuple(part_numels), len(part_numels)
         self.sender_names, self.num_senders = tuple(sender_names), len(sender_names)
         self.announced_weights, self.codec, self.clip_multiple = tuple(announced_weights), codec, clip_multiple
-        positive = sorted(w for w in announced_weights if w is not None and math.isfinite(w) and w > 0)
-        # the same for every owner (everyone sees the same announced weights), so every part is weighted alike
-        self.weight_cap = WEIGHT_CAP_MULTIPLE * positive[(len(positive) - 1) // 2] if positive else math.inf
+        # the same for every owner (everyone sees the same announced weights), so every segment is weighted alike
+        self.weight_cap = weight_cap(announced_weights)
         loop = asyncio.get_event_loop()
         self.results: list[asyncio.Future[PartResult]] = [loop.create_future() for _ in range(self.num_parts)]
         self.current_part_index = 0
@@ -171,62 +155,25 @@ class CheckedPartReducer:
             else:
                 self._maybe_reduce()
 
-    def _problem(self, part_index: int, c: Contribution) -> str | None:
-        if c.problem is not None:
-            return c.problem
-        expected_numel = self.part_shapes[part_index].numel()
-        if c.tensor.dtype != torch.float32 or c.tensor.numel() != expected_numel:
-            return f"expected {expected_numel} float32 values, got {c.tensor.numel()} {c.tensor.dtype}"
-        announced = self.announced_weights[c.sender]
-        if announced is None or not math.isfinite(c.weight) or c.weight != announced:
-            return f"weight {c.weight} differs from the announced weight {announced}"
-        if not bool(torch.isfinite(c.tensor).all()):
-            return "non-finite values"
-        return None
-
     def _reduce(self, part_index: int, contributions: list[Contribution]) -> PartResult:
         """Runs in a worker thread: torch releases the GIL, the event loop keeps streaming."""
-        valid: list[Contribution] = []
-        for c in contributions:
-            problem = self._problem(part_index, c)
-            if problem is not None:
-                self.dropped.append((self.sender_names[c.sender], part_index, problem))
-                logger.warning("dropped part %d from %s: %s", part_index, self.sender_names[c.sender], problem)
-            elif c.weight > 0:
-                valid.append(c)
-        if not valid:
-            raise AllreduceException("no valid contribution")
-
-        norms = [float(torch.linalg.vector_norm(c.tensor, dtype=torch.float64)) for c in valid]
-        factors = [1.0] * len(valid)
-        if self.clip_multiple:
-            bound = self.clip_multiple * sorted(norms)[(len(norms) - 1) // 2]
-            for i, norm in enumerate(norms):
-                if norm > bound:
-                    factors[i] = bound / norm
-                    self.clipped.append((self.sender_names[valid[i].sender], part_index, factors[i]))
-                    logger.info(
-                        "clipped part %d from %s by %.3g", part_index, self.sender_names[valid[i].sender], factors[i]
-                    )
-
-        weights = [min(c.weight, self.weight_cap) for c in valid]
-        total_weight = sum(weights)
-        accumulator = torch.zeros(self.part_shapes[part_index].numel(), dtype=torch.float64)
-        for c, weight, factor in zip(valid, weights, factors, strict=True):
-            accumulator.add_(c.tensor.reshape(-1).to(torch.float64), alpha=weight * factor / total_weight)
-        averaged = accumulator.to(torch.float32).reshape(self.part_shapes[part_index])
-        if not bool(torch.isfinite(averaged).all()):
+        inputs = [c.segment for c in contributions if c.segment is not None]
+        refusals = tuple(c.refusal for c in contributions if c.refusal is not None)
+        try:
+            reduced = reduce_segment(inputs, self.part_numels[part_index], self.codec, self.announced_weights,
+                                     self.clip_multiple, self.weight_cap)
+        except NoValidContribution:
+            raise AllreduceException("no valid contribution") from None
+        for sender, reason in reduced.dropped:
+            self.dropped.append((self.sender_names[sender], part_index, reason))
+            logger.warning("dropped part %d from %s: %s", part_index, self.sender_names[sender], reason)
+        for sender, factor in reduced.clipped:
+            self.clipped.append((self.sender_names[sender], part_index, factor))
+            logger.info("clipped part %d from %s by %.3g", part_index, self.sender_names[sender], factor)
+        decoded = self.codec.decode_average(reduced.data, self.part_numels[part_index])
+        if not bool(torch.isfinite(decoded).all()):
             raise AllreduceException("the average is not finite")
-
-        serialized = self.codec.compress(averaged, CompressionInfo.from_tensor(averaged, key=part_index))
-        included = sum(1 << c.sender for c in valid)
-        reply = averaging_pb2.AveragingData(
-            code=averaging_pb2.AVERAGED_PART,
-            tensor_part=serialized,
-            weight=total_weight,
-            peer_id=included.to_bytes((self.num_senders + 7) // 8, "little"),
-        )
-        return PartResult(reply=reply, decoded=self.codec.extract(serialized))
+        return PartResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals), decoded)
 
     def finalize(self) -> None:
         if self.finished.is_set():

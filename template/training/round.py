@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from template.training.averaging import AveragingResult
+from template.training.contribution import Commitment, EncodedContribution
 
 Tensors = list[torch.Tensor]
 
@@ -75,6 +76,8 @@ class RoundOutcome:
     ``delta`` is this peer's Δ = θ_r − θ_local (None on ranks other than the node's leader and for plans that do not
     contribute); ``averaged`` the group's Δ̄ when this peer took the outer step with it, else None; ``averaging`` the
     all-reduce as this peer saw it (the group, every member's announced weight, who made it into the average).
+    ``contribution`` is what this peer fed into the all-reduce — encoded once, these exact bytes — and
+    ``commitment`` its signed promise of them (both None when it contributed nothing).
     """
 
     report: RoundReport
@@ -82,6 +85,8 @@ class RoundOutcome:
     delta: Tensors | None
     averaged: Tensors | None
     averaging: AveragingResult | None
+    contribution: EncodedContribution | None = None
+    commitment: Commitment | None = None
 
     @property
     def round(self) -> int:

@@ -51,5 +51,9 @@ class RunSpec:
         return dict(fields, vocab_size=vocab_size, corpus=corpus.fingerprint, tokenizer=corpus.tokenizer_name)
 
     def fingerprint(self, corpus: TokenCorpus, vocab_size: int) -> str:
-        canonical = json.dumps(self.identity(corpus, vocab_size), sort_keys=True)
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        return fingerprint_of(self.identity(corpus, vocab_size))
+
+
+def fingerprint_of(identity: dict[str, Any]) -> str:
+    """A short hash of a run's identity fields (any JSON-able dict; key order does not matter)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

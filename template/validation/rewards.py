@@ -3,13 +3,14 @@
 **Credit for a round.** The scorer (:mod:`template.validation.round`) hands each scored miner's *quality* (its
 general improvement × participation, 0 when a check failed) and its *evidence* of having trained on its assigned data
 (``e`` nats with standard error ``se``: :mod:`template.validation.scoring`). One round's evidence on a small sample is
-noisy, so it is accumulated per miner, each round weighted by its precision (a round measured on windows of very
-uneven difficulty — the first rounds from a random model — counts little) and older rounds decaying by
+noisy, so each round's significance ``e/se`` is accumulated per miner (Stouffer's method), older rounds decaying by
 ``evidence_decay`` (λ)::
 
-    S_i ← λ·S_i + e/se²          Q_i ← λ²·Q_i + 1/se²          z_i = S_i / √Q_i
+    S_i ← λ·S_i + e/se          Q_i ← λ²·Q_i + 1          z_i = S_i / √Q_i
 
-z is the significance of the decayed, precision-weighted mean of the evidence (with equal se it is Σλᵏeₖ / (se·√Σλ²ᵏ)).
+Each round counts as one standardized observation: neither a round of large but noisy gains (the first rounds from a
+random model) nor a very precise round of no memorization yet (they are also early) outweighs the rest, as weighting
+the raw evidence, or its precision, measurably did.
 A failed check clears the miner's accumulated evidence, and the round's credit is the quality *gated* by it::
 
     s_i = quality_i × clip((z_i − gate_start) / gate_width, 0, 1)
@@ -89,12 +90,20 @@ class MinerScore:
     last_score: float = 0.0  # its relative score then
     last_reason: str = ""
     rounds_scored: int = 0
-    evidence: float = 0.0  # S: accumulated precision-weighted evidence
-    evidence_precision: float = 0.0  # Q: its accumulated squared weights
+    evidence: float = 0.0  # S: the decayed sum of the rounds' significances
+    evidence_precision: float = 0.0  # Q: the decayed sum of their squared weights
 
     @property
     def z(self) -> float:
-        return self.evidence / self.evidence_precision ** 0.5 if self.evidence_precision > 0 else 0.0
+        return significance(self.evidence, self.evidence_precision)
+
+    def folded(self, evidence: float, se: float, decay: float) -> tuple[float, float]:
+        """(S, Q) once a round's evidence ± se is folded in."""
+        return decay * self.evidence + evidence / se, decay * decay * self.evidence_precision + 1.0
+
+
+def significance(evidence: float, precision: float) -> float:
+    return evidence / precision ** 0.5 if precision > 0 else 0.0
 
 
 @dataclass
@@ -115,12 +124,15 @@ class ScoreBook:
             if result.evidence is None:
                 record.evidence = record.evidence_precision = 0.0
             else:
-                evidence, se = result.evidence
-                record.evidence = decay * record.evidence + evidence / se ** 2
-                record.evidence_precision = decay * decay * record.evidence_precision + 1 / se ** 2
+                record.evidence, record.evidence_precision = record.folded(*result.evidence, decay)
             scores[hotkey] = result.quality * self.config.gate(record.z)
         self.update(round, scores, {hotkey: result.reason for hotkey, result in results.items()})
         return scores
+
+    def standing(self, hotkey: str, evidence: float, se: float) -> float:
+        """The z a miner would have once this round's evidence is folded in (its record is not changed): what the
+        scorer uses to tell an original from its copy when both were signed at the same block."""
+        return significance(*self.miners.get(hotkey, MinerScore()).folded(evidence, se, self.config.evidence_decay))
 
     def update(self, round: int, scores: Mapping[str, float], reasons: Mapping[str, str] | None = None) -> None:
         """Fold in the round scores (≥ 0) of the miners scored for ``round``."""

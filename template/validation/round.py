@@ -9,11 +9,12 @@ Order of the checks (each failing miner gets a round score of 0 and the first re
 5. not a replay of an earlier round's Δ or Δ̄, and not the round's own Δ̄ re-published (when the miner did not
    contribute most of Δ̄ itself);
 6. the loss measures (:mod:`~template.validation.scoring`): the general improvement and the evidence of training on
-   the assigned data, against the round's Δ̄ as the reference update (θ_r itself when the validator holds no Δ̄);
+   the assigned data, against the mean of the round's other helpful submissions as the reference update;
    then copies between miners of this round (the later publisher is the copier);
-7. quality = general improvement × participation: a miner absent from the round's all-reduce (or present with zero
-   tokens) keeps only ``absent_factor`` of it, since its Δ did not help the shared model. The evidence goes with it
-   to the score book (:mod:`~template.validation.rewards`), which turns both into the round's credit.
+7. quality = general improvement × coverage, the fraction of the round's averaged segments that include the
+   miner's contribution (as the validator saw the all-reduce): a Δ that did not reach the shared model earned nothing
+   for it, whatever it would have been worth. The evidence goes with the quality to the score book
+   (:mod:`~template.validation.rewards`), which turns both into the round's credit.
 
 The scorer keeps the sketches of the last ``history_rounds`` rounds for replay detection, and can persist them
 (safetensors, atomic) so a restarted validator still recognizes replays.
@@ -43,7 +44,15 @@ from template.validation.integrity import (
     total_norm,
 )
 from template.validation.rewards import RoundScore
-from template.validation.scoring import LossGains, LossProbe, ScoringConfig, WindowSampler, loss_gains
+from template.validation.scoring import (
+    LossGains,
+    LossProbe,
+    ScoringConfig,
+    WindowSampler,
+    loss_gains,
+    mean_over,
+    update_losses,
+)
 
 Tensors = Sequence[torch.Tensor]
 # A miner's own share of Δ̄ above which Δ̄ is mostly its own Δ (then similarity to Δ̄ proves nothing).
@@ -60,7 +69,7 @@ class Candidate:
     base_theta_hash: str = ""
     published_at_block: int = 0
     fetch_error: str = ""  # non-empty when nothing usable was fetched
-    participated: bool | None = None  # in the round's all-reduce with tokens > 0; None when unknown
+    coverage: float | None = None  # share of the round's averaged segments that include it; None when unknown
     share_of_average: float = 0.0  # its token weight / the group's total weight
 
 
@@ -68,11 +77,11 @@ class Candidate:
 class Verdict:
     hotkey: str
     uid: int
-    quality: float  # ≥ 0: the general improvement × participation, 0 on a failed check
+    quality: float  # ≥ 0: the general improvement × coverage, 0 on a failed check
     reason: str  # "" when every check passed
     gains: LossGains | None = None
     norm: float = 0.0
-    participated: bool | None = None
+    coverage: float | None = None
 
     def round_score(self) -> RoundScore:
         """What the score book needs: the quality, and the evidence when every check passed (else none)."""
@@ -106,9 +115,12 @@ class RoundScorer:
         self.history: dict[str, torch.Tensor] = {}  # "round|label" -> sketch
 
     def score(self, context: RoundContext, candidates: Sequence[Candidate],
-              out_of_time: Callable[[], bool] = lambda: False) -> list[Verdict]:
+              out_of_time: Callable[[], bool] = lambda: False,
+              standing: Callable[[str, float, float], float] | None = None) -> list[Verdict]:
         """A verdict per candidate, in the candidates' order. ``out_of_time`` is polled before each loss probe;
-        candidates not probed in time get the reason "not evaluated in time" and score 0 (rotation retries them)."""
+        candidates not probed in time get the reason "not evaluated in time" and score 0 (rotation retries them).
+        ``standing(hotkey, evidence, se)`` is a miner's evidence over the rounds (the score book's); near-copies
+        signed at the same block are told apart by it (this round's significance alone when it is None)."""
         reasons: dict[str, str] = {}
         for c in candidates:
             if reason := self._basic_problem(context, c):
@@ -130,8 +142,12 @@ class RoundScorer:
                   and cosine(sketch, average_sketch) >= self.integrity.copy_cosine):
                 reasons[c.hotkey] = "re-publishes the group's average Δ̄"
 
-        gains = self._probe(context, [c for c in valid if c.hotkey not in reasons], reasons, out_of_time)
-        probed = [Submission(c.hotkey, sketches[c.hotkey], c.published_at_block, gains[c.hotkey].evidence)
+        gains = self._probe(context, [c for c in valid if c.hotkey not in reasons], sketches, reasons, out_of_time)
+        def evidence(hotkey: str) -> float:
+            g = gains[hotkey]
+            return standing(hotkey, g.evidence, g.evidence_se) if standing is not None else g.z
+
+        probed = [Submission(c.hotkey, sketches[c.hotkey], c.published_at_block, evidence(c.hotkey))
                   for c in valid if c.hotkey in gains]
         for copier, original in find_copies(probed, self.integrity.copy_cosine).items():
             reasons[copier] = f"copy of {original}'s Δ"
@@ -142,11 +158,9 @@ class RoundScorer:
             g = gains.get(c.hotkey)
             quality = 0.0
             if c.hotkey not in reasons and g is not None:
-                quality = max(0.0, g.general)
-                if c.participated is False:
-                    quality *= self.scoring.absent_factor
+                quality = max(0.0, g.general) * (1.0 if c.coverage is None else c.coverage)
             verdicts.append(Verdict(c.hotkey, c.uid, quality, reasons.get(c.hotkey, ""), g,
-                                    norms.get(c.hotkey, 0.0), c.participated))
+                                    norms.get(c.hotkey, 0.0), c.coverage))
         return verdicts
 
     def _basic_problem(self, context: RoundContext, c: Candidate) -> str | None:
@@ -160,32 +174,42 @@ class RoundScorer:
                     f"[{context.first_block}, {context.last_block}]")
         return check_tensors(c.tensors, self.shapes)
 
-    def _probe(self, context: RoundContext, candidates: Sequence[Candidate], reasons: dict[str, str],
-               out_of_time: Callable[[], bool]) -> dict[str, LossGains]:
-        """The loss measures of every candidate, against Δ̄ as the reference update when the validator holds it.
-        θ_r and the reference are loaded once each, on every window any candidate needs, then each candidate's Δ
-        once: 2 + N model loads (a load of a large model costs seconds)."""
+    def _probe(self, context: RoundContext, candidates: Sequence[Candidate], sketches: Mapping[str, torch.Tensor],
+               reasons: dict[str, str], out_of_time: Callable[[], bool]) -> dict[str, LossGains]:
+        """The loss measures of every candidate (:mod:`~template.validation.scoring`). First each update on its
+        windows (its general improvement decides whether it may serve in others' references), then each
+        candidate's reference on the same windows: 1 + 2N model loads, 4 × ``eval_windows`` windows per miner."""
         if not candidates:
             return {}
-        n = self.scoring.eval_windows
+        n, eta = self.scoring.eval_windows, self.scoring.step_scale
         pool = self.sampler.unassigned(context.round, n)
-        samples = {c.hotkey: self.sampler.assigned(c.hotkey, context.round, n) for c in candidates}
-        assigned_windows = sorted({w for sample, _ in samples.values() for w in sample})
-        self.probe.load(context.theta)
-        baseline = self.probe.window_losses(pool if context.averaged is not None else [*pool, *assigned_windows])
-        reference = baseline  # without Δ̄ each update is compared with θ_r itself (noisier, still unbiased)
-        if context.averaged is not None:
-            self.probe.load(context.theta, context.averaged, self.scoring.step_scale)
-            reference = self.probe.window_losses([*pool, *assigned_windows])
-        gains = {}
+        baseline = update_losses(self.probe, context.theta, None, pool, eta)
+        windows: dict[str, tuple[list[int], list[int]]] = {}
+        after: dict[str, dict[int, float]] = {}
         for c in candidates:
             if out_of_time():
                 reasons[c.hotkey] = "not evaluated in time"
                 continue
-            assigned, excluded = samples[c.hotkey]
-            unassigned = [w for w in pool if w not in excluded][:n]
-            gains[c.hotkey] = loss_gains(self.probe, context.theta, c.tensors, assigned, unassigned, baseline,
-                                         reference, self.scoring)
+            assigned, excluded = self.sampler.assigned(c.hotkey, context.round, n)
+            windows[c.hotkey] = assigned, [w for w in pool if w not in excluded][:n]
+            after[c.hotkey] = update_losses(self.probe, context.theta, c.tensors, [*assigned, *windows[c.hotkey][1]],
+                                            eta)
+        helpful = [c for c in candidates if c.hotkey in after
+                   and mean_over(baseline, windows[c.hotkey][1]) > mean_over(after[c.hotkey], windows[c.hotkey][1])]
+        gains = {}
+        for c in candidates:
+            if c.hotkey not in after:
+                continue
+            if out_of_time():
+                reasons[c.hotkey] = "not evaluated in time"
+                continue
+            others = [o.tensors for o in helpful if o.hotkey != c.hotkey
+                      and cosine(sketches[o.hotkey], sketches[c.hotkey]) < self.integrity.copy_cosine]
+            mean = [torch.stack([t[i].float() for t in others]).mean(0) for i in range(len(c.tensors))] if others \
+                else None
+            assigned, unassigned = windows[c.hotkey]
+            reference = update_losses(self.probe, context.theta, mean, [*assigned, *unassigned], eta)
+            gains[c.hotkey] = loss_gains(after[c.hotkey], reference, baseline, assigned, unassigned, self.scoring)
         return gains
 
     def _remember(self, context: RoundContext, sketches: Mapping[str, torch.Tensor],

@@ -1,8 +1,9 @@
 """Loss-based measures of one pseudo-gradient: does it help, and is there evidence it was trained on the miner's data?
 
-For miner i in round r, from the validator's copy of θ_r (the same θ_r the miner started from), with R a reference
-update that was not trained on i's data (the round's Δ̄, which i's own share barely moves; R = 0, i.e. θ_r itself,
-when the validator holds no Δ̄ because its all-reduce failed):
+For miner i in round r, from the validator's copy of θ_r (the same θ_r the miner started from), with R_i a reference
+update that was not trained on i's data — the mean of the round's *other* submissions that passed the checks, help
+the model (``general`` > 0) and are not near-copies of i's (R_i = 0, i.e. θ_r itself, when there is none): an update
+of the same kind and size as an honest Δ_i, so that only what is specific to i's windows separates them:
 
     L_X(x)  = mean loss of parameters x on the windows X
     A       = a private sample of the windows assigned to i in round r;  U = training windows *not* assigned to i
@@ -21,8 +22,8 @@ training only part of the assignment leaves evidence on only that part of the sa
 (significance accumulated over rounds, gating the general improvement) is :mod:`template.validation.rewards`.
 
 Samples are drawn from the validator's private seed, so a miner cannot know which of its windows will be checked and
-must train on all of them. Cost per miner: 3 × ``eval_windows`` forward passes (Δ_i on A and U, the reference on A);
-θ_r and the reference on the unassigned pool are evaluated once per round (docs/benchmarks.md).
+must train on all of them. Cost per miner: 4 × ``eval_windows`` forward passes (Δ_i and R_i, each on A and U);
+θ_r on the unassigned pool is evaluated once per round (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ Tensors = Sequence[torch.Tensor]
 class ScoringConfig:
     eval_windows: int = 16  # windows sampled from the assigned data, and from other data, per miner
     step_scale: float = 1.0  # η
-    absent_factor: float = 0.5  # round score multiplier for a miner missing from the round's all-reduce
     # nats: the standard error of the evidence is never taken as smaller than this, so that two near-identical
     # models (a copy of the reference) cannot look significant through a vanishing spread
     evidence_floor: float = 0.002
@@ -55,8 +55,6 @@ class ScoringConfig:
     def __post_init__(self) -> None:
         if self.eval_windows < 2 or self.step_scale <= 0 or self.evidence_floor <= 0:
             raise ValueError(f"invalid scoring settings: {self}")
-        if not 0 <= self.absent_factor <= 1:
-            raise ValueError("absent_factor must be within [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -132,12 +130,17 @@ def mean_over(losses: dict[int, float], windows: Sequence[int]) -> float:
     return sum(losses[w] for w in windows) / len(windows)
 
 
-def loss_gains(probe: LossProbe, theta: Tensors, delta: Tensors, assigned: Sequence[int], unassigned: Sequence[int],
-               baseline: dict[int, float], reference: dict[int, float], config: ScoringConfig) -> LossGains:
-    """The measures of ``delta``; ``baseline`` and ``reference`` hold the losses of θ_r and of θ_r − η·R on (at least)
-    the windows ``unassigned`` and, for the reference, ``assigned`` (both computed once per round)."""
-    probe.load(theta, delta, config.step_scale)
-    after = probe.window_losses([*assigned, *unassigned])
+def update_losses(probe: LossProbe, theta: Tensors, delta: Tensors | None, windows: Sequence[int],
+                  step_scale: float) -> dict[int, float]:
+    """Per-window losses of θ_r − η·``delta`` (θ_r itself when ``delta`` is None)."""
+    probe.load(theta, delta, step_scale)
+    return probe.window_losses(list(dict.fromkeys(windows)))
+
+
+def loss_gains(after: dict[int, float], reference: dict[int, float], baseline: dict[int, float],
+               assigned: Sequence[int], unassigned: Sequence[int], config: ScoringConfig) -> LossGains:
+    """The measures of an update from the losses (per window) of θ_r − η·Δ (``after``), of the reference θ_r − η·R
+    and of θ_r (``baseline``), on the miner's assigned sample and on other windows."""
     edge_assigned = [reference[w] - after[w] for w in assigned]
     edge_unassigned = [reference[w] - after[w] for w in unassigned]
     spread = statistics.variance(edge_assigned) / len(assigned) + statistics.variance(edge_unassigned) / len(unassigned)

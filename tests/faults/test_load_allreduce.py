@@ -48,11 +48,11 @@ def test_eight_peers_average_the_tiny_model_into_identical_bytes():
             averagers.append(PseudoGradientAverager(node, shapes, config))
         scheduled = time.time() + config.matchmaking_time
         deadline = scheduled + config.allreduce_timeout
-        pairs = enumerate(zip(averagers, weights, strict=True))
-        handles = [averager.begin(weight, {"peer": i}, scheduled, deadline) for i, (averager, weight) in pairs]
+        triples = enumerate(zip(averagers, deltas, weights, strict=True))
+        handles = [averager.begin(d, weight, {"peer": i}, scheduled, deadline) for i, (averager, d, weight) in triples]
         with ThreadPoolExecutor(PEERS) as pool:
-            futures = [pool.submit(averager.finish, handle, delta, deadline)
-                       for averager, handle, delta in zip(averagers, handles, deltas, strict=True)]
+            futures = [pool.submit(averager.finish, handle, deadline)
+                       for averager, handle in zip(averagers, handles, strict=True)]
             results = [future.result(timeout=deadline - time.time() + 30) for future in futures]
     finally:
         for averager in averagers:

@@ -21,12 +21,14 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter
+from template.training.codecs import get_codec
 
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
-from template.training.allreduce_runner import CheckedAllReduceRunner
+from template.p2p.keys import verify_signature
+from template.training.allreduce_runner import CheckedAllReduceRunner, OwnContribution, RoundTerms, SegmentLayout
 from template.training.averaging import AveragingConfig, PseudoGradientAverager
 from template.training.checked_averager import CheckedAverager
-from template.training.compression import get_compression
+from template.training.contribution import encode_contribution
 from tests.integration.p2p_helpers import run
 
 SHAPES = [torch.Size([64]), torch.Size([8, 8])]
@@ -76,7 +78,7 @@ def test_join_requests_beyond_the_allowance_are_refused(hosts):
     limited = config(max_join_requests_per_minute=3, min_group_size=2, target_group_size=2)
     with PseudoGradientAverager(leader_node, SHAPES, limited) as leader:
         scheduled = time.time() + 30  # looking for a group for a while: it answers join requests on their merits
-        handle = leader.begin(1.0, {}, scheduled, deadline=scheduled + 10)
+        handle = leader.begin([torch.zeros(s) for s in SHAPES], 1.0, {}, scheduled, deadline=scheduled + 10)
         deadline = time.monotonic() + 20
         while handle.control.stage.name != "LOOKING_FOR_GROUP" and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -126,11 +128,16 @@ def test_an_outsiders_parts_are_refused_by_the_group():
     me, member, outsider = (PeerID(bytes([i]) * 34) for i in (1, 2, 3))
 
     async def outsider_sends() -> list[int]:
+        codec = get_codec("none", segment_values=1024)
+        layout = SegmentLayout(sum(s.numel() for s in SHAPES), codec.segment_values)
+        contribution = encode_contribution(codec, torch.zeros(layout.numel))
+        own = OwnContribution(contribution.segments, contribution.leaves, (bytes(64),) * layout.count)
+        terms = RoundTerms("run", 0, codec, layout, (None, None), verify_signature, None)
         runner = CheckedAllReduceRunner(
             p2p=_Host(me), servicer_type=CheckedAverager, prefix="run", group_id=b"group", weight=1.0,
-            tensors=[torch.zeros(s) for s in SHAPES], ordered_peer_ids=[me, member], peer_fractions=(0.5, 0.5),
-            modes=[AveragingMode.NODE] * 2, announced_weights=[1.0, 1.0], compression=get_compression("none"),
-            clip_multiple=3.0, sender_timeout=1.0, reducer_timeout=1.0, part_size_bytes=1024,
+            ordered_peer_ids=[me, member], peer_fractions=(0.5, 0.5), modes=[AveragingMode.NODE] * 2,
+            announced_weights=[1.0, 1.0], terms=terms, own=own, clip_multiple=3.0, sender_timeout=1.0,
+            reducer_timeout=1.0,
         )
         part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group", weight=1.0)
         context = P2PContext(handle_name="CheckedAverager.rpc_aggregate_part", local_id=me, remote_id=outsider)

@@ -36,10 +36,10 @@ WEIGHTS = [1.0, 3.0]
 STALLER = AVERAGER_CHILD_PREAMBLE + textwrap.dedent(
     """
     when = json.loads(sys.stdin.readline())  # the test's round: scheduled time and deadline
-    handle = averager.begin(2.0, {"rank": "staller"}, when["scheduled"], when["deadline"])
     deltas = None if args["config"]["auxiliary"] else [torch.randn(s) for s in shapes]
+    handle = averager.begin(deltas, 2.0, {"rank": "staller"}, when["scheduled"], when["deadline"])
     outcome = {}
-    finisher = threading.Thread(target=lambda: outcome.update(result=averager.finish(handle, deltas, when["deadline"])))
+    finisher = threading.Thread(target=lambda: outcome.update(result=averager.finish(handle, when["deadline"])))
     if args["stall_at"] == "matchmaking":
         while handle.control.stage.name != "LOOKING_FOR_GROUP" and time.time() < when["deadline"]:
             time.sleep(0.001)
@@ -68,8 +68,7 @@ def config(**overrides) -> AveragingConfig:
     settings = dict(
         prefix=f"stall{uuid.uuid4().hex[:10]}", target_group_size=3, min_group_size=2, matchmaking_time=2.5,
         # a silence of next_chunk_timeout gets a sender dropped: room for 2 loaded cores, short enough for a test
-        request_timeout=1.0, allreduce_timeout=15.0, next_chunk_timeout=4.0, part_size_bytes=64 * 1024,
-        compression="none",
+        request_timeout=1.0, allreduce_timeout=15.0, next_chunk_timeout=4.0, compression="none",
     )
     settings.update(overrides)
     return AveragingConfig(**settings)
@@ -132,9 +131,9 @@ class Staller:
         self.process.wait(timeout=30)
 
 
-def begin_all(peers, scheduled, deadline):
-    pairs = enumerate(zip(peers, WEIGHTS, strict=True))
-    return [peer.begin(weight, {"rank": rank}, scheduled, deadline) for rank, (peer, weight) in pairs]
+def begin_all(peers, round_deltas, scheduled, deadline):
+    triples = enumerate(zip(peers, round_deltas, WEIGHTS, strict=True))
+    return [peer.begin(d, weight, {"rank": rank}, scheduled, deadline) for rank, (peer, d, weight) in triples]
 
 
 def round_with_a_staller(dhts, whole: AveragingConfig, staller: Staller, seeds: tuple[int, int]):
@@ -145,10 +144,9 @@ def round_with_a_staller(dhts, whole: AveragingConfig, staller: Staller, seeds: 
         scheduled = time.time() + whole.matchmaking_time + 1.0
         deadline = scheduled + whole.allreduce_timeout + 5
         staller.play(scheduled, deadline)
-        handles = begin_all((a, b), scheduled, deadline)
+        handles = begin_all((a, b), [deltas(seed) for seed in seeds], scheduled, deadline)
         with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(p.finish, h, deltas(seed), deadline)
-                       for p, h, seed in zip((a, b), handles, seeds, strict=True)]
+            futures = [pool.submit(p.finish, h, deadline) for p, h in zip((a, b), handles, strict=True)]
             assert "RUNNING_ALLREDUCE" in staller.expect("STALLING")
             stalled_at = time.time()
             results = [future.result(timeout=deadline - time.time() + 10) for future in futures]
@@ -156,10 +154,9 @@ def round_with_a_staller(dhts, whole: AveragingConfig, staller: Staller, seeds: 
 
 
 def run_round(peers, round_deltas, scheduled, deadline):
-    handles = begin_all(peers, scheduled, deadline)
+    handles = begin_all(peers, round_deltas, scheduled, deadline)
     with ThreadPoolExecutor(len(peers)) as pool:
-        futures = [pool.submit(peer.finish, handle, d, deadline)
-                   for peer, handle, d in zip(peers, handles, round_deltas, strict=True)]
+        futures = [pool.submit(peer.finish, handle, deadline) for peer, handle in zip(peers, handles, strict=True)]
         return [future.result(timeout=deadline - time.time() + 10) for future in futures]
 
 

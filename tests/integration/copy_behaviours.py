@@ -1,16 +1,16 @@
-"""Test doubles for the copy attack: a miner whose Δ leaks, and miners that re-publish the leaked Δ.
+"""Test doubles for the copy attack: a miner whose Δ leaks, and miners that contribute the leaked Δ as their own.
 
 Only validator-permit holders may fetch a miner's publication, so copying someone's Δ needs a leak (a colluding
-miner, or a validator that passes Δs on). ``LeakyHonest`` is an honest miner that leaks: one second after each
-publication (a copier can only copy what was already published) it writes its Δ to ``$DILOCO_LEAK_DIR``.
-``CopyLeaked`` trains nothing and publishes the leaked Δ of the round, exactly; ``CopyLeakedNoisy`` adds noise of
-1e-3 × each tensor's std, so that the bytes differ. Used as ``--miner.behaviour tests.integration.copy_behaviours:X``.
+miner). Since a contribution is committed before the round's all-reduce, the leak has to happen before that too:
+``LeakyHonest`` is an honest miner that writes its Δ to ``$DILOCO_LEAK_DIR`` the moment it has trained (before
+committing it). ``CopyLeaked`` trains nothing, waits (bounded) for the leak of its round and contributes — hence
+commits and publishes — the leaked Δ, exactly; ``CopyLeakedNoisy`` adds noise of 1e-3 × each tensor's std, so that
+the bytes differ. Used as ``--miner.behaviour tests.integration.copy_behaviours:X``.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from template.base.behaviours import MinerBehaviour
-from template.training.round import RoundOutcome, RoundPlan, Tensors
+from template.training.round import RoundPlan, Tensors
 
-LEAK_WAIT_S = 8.0
+LEAK_WAIT_S = 3.0
 
 
 def _leak_path(round: int) -> Path:
@@ -31,19 +31,11 @@ def _leak_path(round: int) -> Path:
 class LeakyHonest(MinerBehaviour):
     name = "honest"
 
-    def publication(self, outcome: RoundOutcome) -> Tensors | None:
-        delta = outcome.delta
-        if delta is None:
-            return None
-        tensors = {str(i): t.contiguous().clone() for i, t in enumerate(delta)}
-
-        def leak() -> None:
-            path = _leak_path(outcome.round)
-            tmp = path.with_name(path.name + ".tmp")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)
-
-        threading.Timer(1.0, leak).start()
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        path = _leak_path(round)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({str(i): t.contiguous().clone() for i, t in enumerate(delta)}, str(tmp))
+        os.replace(tmp, path)
         return delta
 
 
@@ -54,16 +46,13 @@ class CopyLeaked(MinerBehaviour):
     def plan(self, plan: RoundPlan) -> RoundPlan:
         return replace(plan, max_steps=0)
 
-    def publication(self, outcome: RoundOutcome) -> Tensors | None:
-        delta = outcome.delta
-        if delta is None:
-            return None
-        path = _leak_path(outcome.round)
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        path = _leak_path(round)
         deadline = time.monotonic() + LEAK_WAIT_S
         while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.05)
         if not path.exists():
-            return delta  # nothing leaked this round: publish the zero Δ it has
+            return delta  # nothing leaked this round: contribute the zero Δ it has
         leaked = load_file(str(path))
         copied = [leaked[str(i)] for i in range(len(delta))]
         return [t + self.noise_scale * t.std() * torch.randn(t.shape) for t in copied]

@@ -14,20 +14,23 @@ from template.chain.client import ChainClient
 from template.p2p.identity import commitment_value
 
 # The start of a child script (``python -c SCRIPT ARGS_JSON``) that runs one averaging peer: it reads its arguments
-# (``initial_peers``, ``shapes``, the ``AveragingConfig`` fields under ``config``) from argv[1], starts a DHT and a
-# PseudoGradientAverager, and prints READY. The rest of the script uses ``args``, ``dht``, ``shapes``, ``averager``
-# and the modules imported here.
+# (``initial_peers``, ``shapes``, the ``AveragingConfig`` fields under ``config``, optionally ``segment_values``)
+# from argv[1], starts a DHT and a PseudoGradientAverager, and prints READY. The rest of the script uses ``args``,
+# ``dht``, ``shapes``, ``averager`` and the modules imported here.
 AVERAGER_CHILD_PREAMBLE = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time
     import torch
     from template.p2p.dht import DHTConfig, start_dht
     from template.training.averaging import AveragingConfig, PseudoGradientAverager
+    from template.training.codecs import get_codec
 
     args = json.loads(sys.argv[1])
     dht = start_dht(DHTConfig(initial_peers=args["initial_peers"]))
     shapes = [torch.Size(s) for s in args["shapes"]]
-    averager = PseudoGradientAverager(dht, shapes, AveragingConfig(**args["config"]))
+    config = AveragingConfig(**args["config"])
+    codec = get_codec(config.compression, **{k: args[k] for k in ("segment_values",) if k in args})
+    averager = PseudoGradientAverager(dht, shapes, config, codec=codec)
     print("READY", flush=True)
     """
 )

@@ -26,16 +26,18 @@ from pathlib import Path
 import pytest
 import torch
 from hivemind.utils import get_dht_time
+from template.training.codecs import get_codec
 
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
 from template.training.averaging import AveragingConfig, AveragingResult, PseudoGradientAverager
-from template.training.compression import get_compression
-from template.training.part_reducer import WEIGHT_CAP_MULTIPLE, CheckedPartReducer, Contribution
+from template.training.part_reducer import CheckedPartReducer, Contribution
+from template.training.reduction import WEIGHT_CAP_MULTIPLE, SegmentInput
 from tests.integration.p2p_helpers import AVERAGER_CHILD_PREAMBLE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [torch.Size([40_000]), torch.Size([200, 250]), torch.Size([9_000]), torch.Size([17])]  # ~99k values
 WEIGHTS = [1.0, 2.0, 3.0]
+SEGMENT_VALUES = 8192  # 13 segments: every owner has several, which exercises the lock-step reducer
 
 
 def fast_config(**overrides) -> AveragingConfig:
@@ -48,7 +50,6 @@ def fast_config(**overrides) -> AveragingConfig:
         request_timeout=1.0,
         allreduce_timeout=20.0,
         next_chunk_timeout=3.0,
-        part_size_bytes=32 * 1024,  # several parts per owner: exercises the lock-step reducer
         compression="none",
     )
     settings.update(overrides)
@@ -70,7 +71,8 @@ def averagers(nodes, configs, state_providers=None):
     peers = []
     try:
         for node, config, provider in zip(nodes, configs, state_providers, strict=True):
-            peers.append(PseudoGradientAverager(node, SHAPES, config, state_provider=provider))
+            codec = get_codec(config.compression, segment_values=SEGMENT_VALUES)
+            peers.append(PseudoGradientAverager(node, SHAPES, config, codec=codec, state_provider=provider))
         yield peers
     finally:
         for peer in peers:
@@ -133,15 +135,15 @@ def test_weighted_mean_is_exact_and_bit_identical(dhts, codec):
     expected = weighted_mean(deltas, WEIGHTS)
     config = fast_config(compression=codec)
     with averagers(dhts, [config] * 3) as peers:
-        # matchmaking is scheduled ahead; the tensors are handed over only at finish()
+        # matchmaking is scheduled ahead; each peer's contribution is encoded and committed when it begins
         scheduled = time.time() + config.matchmaking_time
         deadline = scheduled + 25
         handles = [
-            peer.begin(w, {"rank": r}, scheduled, deadline)
-            for r, (peer, w) in enumerate(zip(peers, WEIGHTS, strict=True))
+            peer.begin(d, w, {"rank": r}, scheduled, deadline)
+            for r, (peer, d, w) in enumerate(zip(peers, deltas, WEIGHTS, strict=True))
         ]
         with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda i: peers[i].finish(handles[i], deltas[i], deadline), range(3)))
+            results = list(pool.map(lambda i: peers[i].finish(handles[i], deadline), range(3)))
 
         for result in results:
             assert result.ok, result.reason
@@ -154,7 +156,8 @@ def test_weighted_mean_is_exact_and_bit_identical(dhts, codec):
         assert len({digest(r.averaged) for r in results}) == 1, "peers must hold the same bytes"
         assert len({r.group_id for r in results}) == 1
 
-        # butterfly traffic: every value crosses the wire twice per non-owner, in the codec's size
+        # butterfly traffic: every value crosses the wire twice per non-owner, in the codec's size; the commitments'
+        # leaves, proofs, signed statements and certificates stay within a few percent of it
         bytes_per_value = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 256}[codec]
         payload = 2 * (3 - 1) * sum(s.numel() for s in SHAPES) * bytes_per_value
         assert payload <= sum(r.bytes_sent for r in results) <= 1.05 * payload
@@ -227,13 +230,13 @@ def test_auxiliary_peer_receives_the_same_average(dhts):
 
 VICTIM = AVERAGER_CHILD_PREAMBLE + textwrap.dedent(
     """
-    handle = averager.begin(3.0, {"rank": "victim"}, args["scheduled"], args["deadline"])
+    deltas = [torch.randn(s) for s in shapes]
+    handle = averager.begin(deltas, 3.0, {"rank": "victim"}, args["scheduled"], args["deadline"])
     while handle.control.stage.name in ("IDLE", "LOOKING_FOR_GROUP") and time.time() < args["deadline"]:
         time.sleep(0.01)
     print("MATCHED", handle.control.stage.name, flush=True)
     sys.stdin.readline()  # the test says when to join the all-reduce
-    deltas = [torch.randn(s) for s in shapes]
-    threading.Thread(target=averager.finish, args=(handle, deltas, args["deadline"]), daemon=True).start()
+    threading.Thread(target=averager.finish, args=(handle, args["deadline"]), daemon=True).start()
     while handle.control.stage.name != "RUNNING_ALLREDUCE" and time.time() < args["deadline"]:
         time.sleep(0.001)
     print("RUNNING", flush=True)
@@ -266,6 +269,7 @@ def test_killed_peer_never_hangs_nor_splits_the_survivors(dhts, moment):
             initial_peers=visible_maddrs(dhts[0]),
             shapes=[list(s) for s in SHAPES],
             config=dataclasses.asdict(config),
+            segment_values=SEGMENT_VALUES,
             scheduled=scheduled,
             deadline=deadline,
         )
@@ -281,14 +285,14 @@ def test_killed_peer_never_hangs_nor_splits_the_survivors(dhts, moment):
         try:
             read_line_with(victim, "READY", timeout=60)
             handles = [
-                peer.begin(w, {"rank": r}, scheduled, deadline)
-                for r, (peer, w) in enumerate(zip(peers, WEIGHTS[:2], strict=True))
+                peer.begin(d, w, {"rank": r}, scheduled, deadline)
+                for r, (peer, d, w) in enumerate(zip(peers, survivors_deltas, WEIGHTS[:2], strict=True))
             ]
             assert "AWAITING_TRIGGER" in read_line_with(victim, "MATCHED", timeout=deadline - time.time())
             if moment == "after_matchmaking":
                 os.killpg(victim.pid, signal.SIGKILL)
             with ThreadPoolExecutor(2) as pool:
-                futures = [pool.submit(peers[i].finish, handles[i], survivors_deltas[i], deadline) for i in range(2)]
+                futures = [pool.submit(peers[i].finish, handles[i], deadline) for i in range(2)]
                 if moment == "during_allreduce":
                     victim.stdin.write("go\n")
                     victim.stdin.flush()
@@ -386,14 +390,21 @@ def test_nodes_started_apart_join_through_connect_peers():
 # ---------------------------------------------------------------------------------------- the reducer alone
 
 
-def reduce_one_part(contributions, weights, clip=3.0, codec="none"):
-    """Run the owner's reduction of a single part without any network."""
+def reduce_one_part(tensors, weights, clip=3.0, announced=None):
+    """Run the owner's reduction of a single segment of 4 values without any network: sender i sends ``tensors[i]``
+    (a tensor, encoded with the raw codec, or bytes as they are) with weight ``weights[i]``."""
+    codec = get_codec("none")
+
+    def contribution(i, tensor, weight):
+        data = tensor if isinstance(tensor, bytes) else codec.encode(tensor)
+        return Contribution(i, SegmentInput(i, data, weight))
 
     async def run():
-        reducer = CheckedPartReducer(
-            [torch.Size([4])], [f"peer{i}" for i in range(len(weights))], weights, get_compression(codec), clip
-        )
-        results = await asyncio.gather(*(reducer.accumulate_part(c, 0) for c in contributions), return_exceptions=True)
+        reducer = CheckedPartReducer([4], [f"peer{i}" for i in range(len(weights))], announced or weights, codec, clip)
+        results = await asyncio.gather(
+            *(reducer.accumulate_part(contribution(i, t, w), 0) for i, (t, w) in enumerate(zip(tensors, weights,
+                                                                                                 strict=True))),
+            return_exceptions=True)
         return reducer, results
 
     return asyncio.run(asyncio.wait_for(run(), timeout=10))
@@ -402,22 +413,23 @@ def reduce_one_part(contributions, weights, clip=3.0, codec="none"):
 @pytest.mark.timeout(30)
 def test_reducer_drops_bad_parts_and_clips_to_the_lower_median():
     good = [torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 2.0, 0.0, 0.0])]
-    contributions = [
-        Contribution(0, good[0], 1.0, None),
-        Contribution(1, good[1], 1.0, None),
-        Contribution(2, torch.tensor([0.0, 0.0, 100.0, 0.0]), 1.0, None),  # norm 100 -> clipped to 3 x 2
-        Contribution(3, torch.tensor([float("nan"), 0, 0, 0]), 1.0, None),  # non-finite -> dropped
-        Contribution(4, torch.ones(4), 5.0, None),  # weight differs from the announced 1.0 -> dropped
-        Contribution(5, torch.ones(3), 1.0, None),  # wrong size -> dropped
-        Contribution(6, None, 1.0, "undecodable: bad magic"),
+    tensors = [
+        good[0],
+        good[1],
+        torch.tensor([0.0, 0.0, 100.0, 0.0]),  # norm 100 -> clipped to 3 x 2
+        torch.tensor([float("nan"), 0, 0, 0]),  # non-finite -> dropped
+        torch.ones(4),  # weight differs from the announced 1.0 -> dropped
+        torch.ones(3),  # wrong size -> dropped
+        b"not a segment",  # undecodable -> dropped
     ]
-    reducer, results = reduce_one_part(contributions, [1.0] * 7)
+    weights = [1.0, 1.0, 1.0, 1.0, 5.0, 1.0, 1.0]
+    reducer, results = reduce_one_part(tensors, weights, announced=[1.0] * 7)
     assert not any(isinstance(r, BaseException) for r in results)
     averaged = results[0].decoded
     assert torch.equal(averaged, torch.tensor([1.0, 2.0, 6.0, 0.0]) / 3)
-    assert all(torch.equal(r.decoded, averaged) and r.reply is results[0].reply for r in results)
-    assert int.from_bytes(results[0].reply.peer_id, "little") == 0b0000111
-    assert results[0].reply.weight == 3.0
+    assert all(torch.equal(r.decoded, averaged) and r.averaged is results[0].averaged for r in results)
+    assert results[0].averaged.included == (0, 1, 2)
+    assert results[0].averaged.weight == 3.0
     assert sorted(peer for peer, _, _ in reducer.dropped) == ["peer3", "peer4", "peer5", "peer6"]
     assert [(peer, factor) for peer, _, factor in reducer.clipped] == [("peer2", pytest.approx(0.06))]
 
@@ -425,9 +437,7 @@ def test_reducer_drops_bad_parts_and_clips_to_the_lower_median():
 @pytest.mark.timeout(30)
 def test_reducer_with_two_senders_clips_the_inflated_one():
     honest, inflated = torch.tensor([3.0, 4.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.0, 5e6])
-    _, results = reduce_one_part(
-        [Contribution(0, honest, 1.0, None), Contribution(1, inflated, 1.0, None)], [1.0, 1.0], clip=2.0
-    )
+    _, results = reduce_one_part([honest, inflated], [1.0, 1.0], clip=2.0)
     assert torch.allclose(results[0].decoded, torch.tensor([1.5, 2.0, 0.0, 5.0]))
 
 
@@ -436,8 +446,7 @@ def test_reducer_caps_an_inflated_announced_weight():
     """A peer announcing 1e300 tokens counts as WEIGHT_CAP_MULTIPLE x the lower median of the announced weights."""
     a, b, liar = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.full((4,), -1.0)
     weights = [1.0, 1.0, 1e300]
-    contributions = [Contribution(i, t, w, None) for i, (t, w) in enumerate(zip((a, b, liar), weights, strict=True))]
-    _, results = reduce_one_part(contributions, weights, clip=None)
+    _, results = reduce_one_part([a, b, liar], weights, clip=None)
     cap = WEIGHT_CAP_MULTIPLE * 1.0
     expected = (a + b + cap * liar) / (2 + cap)
     assert torch.allclose(results[0].decoded, expected)
@@ -445,5 +454,5 @@ def test_reducer_caps_an_inflated_announced_weight():
 
 @pytest.mark.timeout(30)
 def test_reducer_fails_the_part_when_nothing_valid_arrives():
-    _, results = reduce_one_part([Contribution(0, torch.full((4,), float("inf")), 1.0, None)], [1.0])
+    _, results = reduce_one_part([torch.full((4,), float("inf"))], [1.0])
     assert isinstance(results[0], Exception) and "no valid contribution" in str(results[0])

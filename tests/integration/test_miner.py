@@ -18,7 +18,9 @@ from pathlib import Path
 
 import bittensor as bt
 import pytest
+import torch
 
+from template.base.audit import read_publication
 from template.base.miner import DIRECTORY_REFRESH_S
 from template.base.neuron import AsyncRunner
 from template.chain.mock import MockSubstrate
@@ -29,6 +31,7 @@ from template.p2p.identity import peer_directory
 from template.p2p.publication import RefusedError, fetch_publication
 from template.protocol import PROTOCOL_VERSION, FetchRequest
 from template.training.checkpoint import load_latest_checkpoint
+from template.training.codecs import get_codec
 from tests.integration.neuron_processes import REPO, events, neuron_command, start_process, stop_process, wait_until
 from tests.integration.p2p_helpers import commit_peer_id
 
@@ -104,9 +107,15 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
             publication = fetch_as(caller("validator"))
             assert publication.meta.round == first[0]["round"] and publication.meta.hotkey == miner1.hotkey
             assert publication.meta.base_theta_hash == first[0]["base_theta_hash"]
-            assert publication.meta.tokens == first[0]["tokens"] and not publication.nonfinite
-            assert list(publication.tensors) == list(publication.meta.names) and len(publication.tensors) > 10
-            assert all(bool(t.abs().sum() > 0) for t in publication.tensors.values())  # it trained: Δ is not zero
+            assert publication.meta.tokens == first[0]["tokens"]
+            # the publication is the contribution the miner committed to, and it decodes to a trained, finite Δ
+            shapes = [torch.Size(shape) for shape in publication.meta.shapes]
+            scope = publication.meta.commitment["scope"]
+            assert scope.startswith(f"netuid{NETUID}/diloco_")  # commitments count on this subnet and run only
+            read = read_publication(publication, get_codec("fp16"), shapes, scope, contributed=None)
+            assert read.reason == "" and len(read.tensors) == len(publication.meta.names) > 10
+            assert all(bool(torch.isfinite(t).all()) for t in read.tensors)
+            assert all(bool(t.abs().sum() > 0) for t in read.tensors)  # it trained: Δ is not zero
 
             with pytest.raises(RefusedError, match="no validator permit"):
                 fetch_as(caller("permitless"))

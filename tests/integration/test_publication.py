@@ -5,11 +5,15 @@ registered hotkey without a permit, and an outsider that is not registered. The 
 behind the real bittensor SDK; every PeerID binding is a real commitment and the miner's hivemind address is its
 served axon, from which the other hosts bootstrap. One event loop thread drives all hivemind calls; every wait is
 bounded (``run(..., timeout)``, fetch timeouts, pytest timeouts).
+
+A publication is protocol v2: the miner's contribution to the round's all-reduce (encoded once into segments by the
+run's codec), with its signed commitment; the validator checks it with ``read_publication`` (template.base.audit).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 from collections.abc import Iterator
@@ -22,10 +26,12 @@ import torch
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from template.base.audit import read_publication
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
 from template.p2p.identity import PeerDirectory, peer_directory, verify
+from template.p2p.keys import KeypairSigner
 from template.p2p.publication import (
     HANDLER_NAME,
     FetchTimeoutError,
@@ -37,12 +43,22 @@ from template.p2p.publication import (
     fetch_publication,
     permit_holders,
 )
-from template.protocol import PROTOCOL_VERSION, FetchReply, FetchRequest, ProtocolError, ReplyStatus
+from template.protocol import (
+    PROTOCOL_VERSION,
+    FetchReply,
+    FetchRequest,
+    ProtocolError,
+    ReplyStatus,
+    payload_size_limit,
+)
+from template.training.codecs import SegmentCodec, get_codec
+from template.training.contribution import Commitment, codec_descriptor, encode_contribution
 from tests.integration.p2p_helpers import commit_peer_id, message_frame, run
 
 pytestmark = pytest.mark.timeout(90)
 
 NETUID = 5
+SCOPE = f"netuid{NETUID}"
 BASE_HASH = "3f" * 32
 NAMES = ("miner", "validator", "permitless", "outsider")
 
@@ -136,15 +152,24 @@ def serving(network: Network, **options) -> Iterator[PublicationServer]:
 
 
 def pseudo_gradient(seed: int) -> list[tuple[str, torch.Tensor]]:
-    """Δ for a small model, named as ``model.named_parameters()`` names it; ~3 MiB in fp32, so it spans chunks."""
+    """Δ for a small model, named as ``model.named_parameters()`` names it; ~3 MiB in raw float32 (codec none), so
+    it spans payload frames and the codecs' segments."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 1500), torch.nn.Linear(1500, 512))
     return [(name, torch.randn_like(param)) for name, param in model.named_parameters()]
 
 
-def publish(server: PublicationServer, round: int, delta, codec: str = "fp32"):
-    return server.publish(round, BASE_HASH, tokens=8192, inner_steps=20, loss=4.5, named_tensors=delta,
-                          codec=codec, block=100 + round)
+def publish(server: PublicationServer, round: int, delta, codec: SegmentCodec | None = None):
+    """Publish Δ's contribution to ``round`` (raw float32 segments unless ``codec``); return (meta, contribution,
+    commitment)."""
+    codec = codec or get_codec("none")
+    signer = KeypairSigner(server.wallet.hotkey)
+    contribution = encode_contribution(codec, torch.cat([t.reshape(-1) for _, t in delta]))
+    commitment = Commitment.sign(signer, SCOPE, round, contribution).to_wire()
+    meta = server.publish(round, BASE_HASH, tokens=8192, inner_steps=20, loss=4.5,
+                          layout=[(name, t.shape) for name, t in delta], codec=contribution.codec,
+                          commitment=commitment, segments=contribution.segments, block=100 + round)
+    return meta, contribution, commitment
 
 
 def test_the_directory_binds_every_registered_host(network):
@@ -155,23 +180,37 @@ def test_the_directory_binds_every_registered_host(network):
         commit_peer_id(network.sub, network.wallets["outsider"], NETUID, str(network.p2p["outsider"].peer_id))
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp16"])
-def test_a_validator_fetches_a_verified_publication(network, codec):
+@pytest.mark.parametrize("codec_name", ["none", "fp16"])
+def test_a_validator_fetches_a_verified_publication(network, codec_name):
     delta = pseudo_gradient(seed=3)
+    codec = get_codec(codec_name)
     with serving(network) as server:
-        published = publish(server, 3, delta, codec)
+        published, contribution, commitment = publish(server, 3, delta, codec)
         publication = network.fetch("validator", 3, expected_layout=[(n, t.shape) for n, t in delta])
     meta = publication.meta
-    assert meta == published and meta.round == 3 and meta.codec == codec
+    assert meta == published and meta.round == 3 and meta.codec == codec_descriptor(codec) == contribution.codec
     assert meta.hotkey == network.hotkey("miner") and meta.base_theta_hash == BASE_HASH
+    assert meta.commitment == commitment and meta.numel == contribution.numel
     assert verify(network.hotkey("miner"), meta.signing_bytes(), meta.signature)
-    assert publication.peer_id == str(network.p2p["miner"].peer_id) and publication.nonfinite == {}
-    assert list(publication.tensors) == [name for name, _ in delta]
-    for name, expected in delta:
-        if codec == "fp32":
-            assert torch.equal(publication.tensors[name], expected)
+    assert publication.peer_id == str(network.p2p["miner"].peer_id)
+    # the payload is exactly the segments the miner contributed (several, and larger than one 2 MiB frame for none)
+    assert len(contribution.segments) > 1
+    assert publication.payload == b"".join(contribution.segments)
+    assert meta.payload_sha256 == hashlib.sha256(publication.payload).hexdigest()
+    assert len(publication.payload) <= payload_size_limit(meta.names, meta.shapes)
+    # ... and it reads back as what the group decoded from it, bit for bit
+    shapes = [t.shape for _, t in delta]
+    read = read_publication(publication, codec, shapes, SCOPE, commitment)
+    assert read.reason == "" and read.segments == contribution.segments
+    assert read.commitment == Commitment.from_wire(commitment)
+    flat = torch.cat([t.reshape(-1) for t in read.tensors])
+    assert torch.equal(flat.view(torch.int32), contribution.decoded.view(torch.int32))
+    assert [t.shape for t in read.tensors] == shapes
+    for tensor, (_, expected) in zip(read.tensors, delta, strict=True):
+        if codec_name == "none":
+            assert torch.equal(tensor, expected)
         else:
-            torch.testing.assert_close(publication.tensors[name], expected, rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(tensor, expected, rtol=1e-3, atol=1e-4)
 
 
 def test_a_registered_hotkey_without_a_permit_is_refused(network):
@@ -209,12 +248,13 @@ def test_the_rate_limit_is_per_peer(network):
 
 def test_old_rounds_are_evicted_after_keep_rounds(network):
     with serving(network, keep_rounds=2) as server:
-        for round in (1, 2, 3):
-            publish(server, round, pseudo_gradient(seed=round))
+        contributions = {round: publish(server, round, pseudo_gradient(seed=round))[1] for round in (1, 2, 3)}
         assert server.rounds == [2, 3]
         with pytest.raises(NotFoundError):
             network.fetch("validator", 1)
-        assert network.fetch("validator", 2).meta.published_at_block == 102
+        second = network.fetch("validator", 2)
+        assert second.meta.published_at_block == 102 and second.meta.round == 2
+        assert second.payload == b"".join(contributions[2].segments)  # each round serves its own contribution
         with pytest.raises(ValueError, match="not after the newest"):
             publish(server, 3, pseudo_gradient(seed=9))  # a publication is final
 
@@ -222,12 +262,16 @@ def test_old_rounds_are_evicted_after_keep_rounds(network):
 def test_the_validator_never_accepts_what_it_cannot_verify(network):
     delta = pseudo_gradient(seed=4)
     with serving(network) as server:
-        publish(server, 3, delta)
+        _, contribution, _ = publish(server, 3, delta)
         # The miner's peer is bound to the miner's hotkey; a caller expecting anyone else gets no data.
         with pytest.raises(ProtocolError, match="names hotkey"):
             network.fetch("validator", 3, expected_hotkey=network.hotkey("permitless"))
         with pytest.raises(ProtocolError, match="exceeds the limit"):
             network.fetch("validator", 3, max_bytes=1 << 20)  # ~3 MiB announced: refused before downloading
+        size = contribution.nbytes
+        with pytest.raises(ProtocolError, match=f"announced payload of {size} bytes exceeds the limit of {size - 1}"):
+            network.fetch("validator", 3, max_bytes=size - 1)
+        assert network.fetch("validator", 3, max_bytes=size).payload == b"".join(contribution.segments)
         with pytest.raises(ProtocolError, match="differ from the expected model"):
             network.fetch("validator", 3, expected_layout=[(n, t.shape) for n, t in delta[:-1]])
 

@@ -8,15 +8,22 @@ import torch
 from template.base.behaviours import (
     BUILTIN,
     Copycat,
+    Equivocator,
+    Framer,
     FreeRider,
     Honest,
+    LiarReducer,
     MinerBehaviour,
     Noise,
     Overfitter,
     Scaled,
+    SplitLiarReducer,
     Stale,
+    TwoFaced,
+    TwoFacedZero,
     load_behaviour,
 )
+from template.training.allreduce_runner import AllReduceFaults
 from template.training.round import RoundOutcome, RoundPlan, RoundReport
 
 
@@ -35,37 +42,40 @@ def outcome(round: int, delta: list[torch.Tensor] | None, averaged: list[torch.T
     return RoundOutcome(report, None, delta, averaged, None)
 
 
-def test_honest_publishes_exactly_its_delta_and_trains_normally():
+def test_honest_contributes_its_delta_and_publishes_what_it_contributed():
     plan = plain_plan()
-    assert Honest().plan(plan) == plan
+    honest = Honest()
+    assert honest.plan(plan) == plan
     delta = deltas(0)
-    assert Honest().publication(outcome(3, delta, deltas(1))) is delta
+    assert honest.contribution(3, delta) is delta
+    assert honest.publication(outcome(3, delta, deltas(1))) is None  # None: exactly the contributed bytes
 
 
-def test_freerider_trains_nothing_and_publishes_zeros():
+def test_freerider_trains_nothing_and_contributes_zeros():
     assert FreeRider().plan(plain_plan()).max_steps == 0
-    assert all(not t.any() for t in FreeRider().publication(outcome(0, deltas(0), deltas(1))))
+    assert all(not t.any() for t in FreeRider().contribution(0, deltas(0)))
 
 
-def test_noise_has_the_norm_of_the_group_average_but_not_its_direction():
-    averaged = deltas(1)
-    noise = Noise(seed=3).publication(outcome(0, deltas(0), averaged))
+def test_noise_has_the_norm_of_the_last_average_but_not_its_direction():
+    noise_maker, averaged = Noise(seed=3), deltas(1)
+    assert noise_maker.plan(plain_plan()).max_steps == 0
+    noise_maker.after_round(outcome(0, deltas(0), averaged))
+    noise = noise_maker.contribution(1, deltas(0))
     for fake, real in zip(noise, averaged, strict=True):
         assert torch.isclose(fake.norm(), real.norm(), rtol=1e-5)
         assert abs(torch.nn.functional.cosine_similarity(fake.flatten(), real.flatten(), dim=0)) < 0.9
 
 
-def test_scaled_multiplies_its_delta():
+def test_scaled_contributes_its_delta_times_ten():
     delta = deltas(0)
-    published = Scaled().publication(outcome(0, delta, None))
-    assert all(torch.equal(s, 10 * d) for s, d in zip(published, delta, strict=True))
+    assert all(torch.equal(s, 10 * d) for s, d in zip(Scaled().contribution(0, delta), delta, strict=True))
 
 
 def test_stale_replays_the_delta_of_two_rounds_ago():
     stale = Stale(lag=2)
-    published = [stale.publication(outcome(r, deltas(r), None)) for r in range(4)]
-    assert all(torch.equal(a, b) for a, b in zip(published[3], deltas(1), strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(published[0], deltas(0), strict=True))  # honest until it has one
+    contributed = [stale.contribution(r, deltas(r)) for r in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(contributed[3], deltas(1), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(contributed[0], deltas(0), strict=True))  # honest until it has one
 
 
 def test_overfitter_trains_one_fixed_batch_every_step_of_every_round():
@@ -75,13 +85,30 @@ def test_overfitter_trains_one_fixed_batch_every_step_of_every_round():
         assert list(plan.windows) == [0, 1] * 5 and plan.max_steps == 5
 
 
-def test_copycat_publishes_the_group_average_with_small_noise():
-    averaged = deltas(1)
-    assert Copycat().plan(plain_plan()).max_steps == 0
-    copied = Copycat(noise_scale=1e-3).publication(outcome(0, deltas(0), averaged))
+def test_copycat_contributes_the_last_average_it_received_with_small_noise():
+    copycat, averaged = Copycat(noise_scale=1e-3), deltas(1)
+    assert copycat.plan(plain_plan()).max_steps == 0
+    copycat.after_round(outcome(0, deltas(0), averaged))
+    copied = copycat.contribution(1, deltas(2))
     for copy, real in zip(copied, averaged, strict=True):
         assert not torch.equal(copy, real)
         assert torch.nn.functional.cosine_similarity(copy.flatten(), real.flatten(), dim=0) > 0.999
+
+
+def test_two_faced_miners_publish_their_delta_and_contribute_something_else():
+    delta = deltas(0)
+    for behaviour, factor in ((TwoFaced(), -1.0), (TwoFacedZero(), 1e-6)):
+        contributed = behaviour.contribution(0, delta)
+        assert all(torch.allclose(c, factor * d) for c, d in zip(contributed, delta, strict=True))
+        published = behaviour.publication(outcome(0, contributed, None))
+        assert all(torch.equal(p, d) for p, d in zip(published, delta, strict=True))
+
+
+def test_allreduce_attackers_carry_their_faults():
+    assert Honest.allreduce_faults == AllReduceFaults()
+    assert Equivocator.allreduce_faults.corrupt_segments
+    assert LiarReducer.allreduce_faults.lie == "all" and SplitLiarReducer.allreduce_faults.lie == "some"
+    assert Framer.allreduce_faults.frame
 
 
 class Custom(MinerBehaviour):
@@ -89,7 +116,8 @@ class Custom(MinerBehaviour):
 
 
 def test_behaviours_load_by_name_or_module_class_and_refuse_anything_else():
-    assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "overfitter", "copycat"}
+    assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "overfitter", "copycat", "twofaced",
+                            "twofaced-zero", "equivocator", "liar-reducer", "liar-reducer-some", "framer"}
     assert isinstance(load_behaviour("copycat"), Copycat)
     assert isinstance(load_behaviour(f"{__name__}:Custom"), Custom)
     for bad in ("cheater", "nosuchmodule:X", f"{__name__}:Nope", "torch:Tensor"):

@@ -1,0 +1,152 @@
+"""What a validator checks between a round's publications and the round's all-reduce: scored = applied.
+
+A miner's publication of round r must be *exactly* what it contributed to round r's all-reduce (DESIGN.md §9):
+
+- :func:`read_publication` checks the publication's commitment (signed by the miner's hotkey, for this subnet, run
+  and round, with the run's codec and model size), that the payload's segments hash up to the committed root, and —
+  when the validator saw the miner in the round's group — that it is the same commitment the miner gave the group.
+  Only then are the segments decoded into the Δ that is scored.
+- :func:`audit_allreduce` then checks the all-reduce itself from the validator's own view of it (as an auxiliary
+  member it received every owner's averaged segments, the senders each one included, the refusals with their proofs,
+  and every owner's signed certificate): a refusal must carry the sender's own signature of bytes other than it
+  committed (else the owner framed it), two validly signed certificates of one owner that differ prove that it sent
+  different members different bytes, and every averaged segment is recomputed bit for bit from the publications with
+  the reducer's own rule (:func:`template.training.reduction.reduce_segment`) — which is what checks an owner's own
+  share, the one contribution that never crosses the wire.
+
+Every accusation rests on something the accused signed (a commitment, a statement, a certificate) or on a
+deterministic recomputation from bytes its victims signed; there is no accusation on anyone's word. What cannot be
+checked is left alone and counted: a segment whose included senders did not all publish (or whose publications are
+bad for another reason) is not recomputed; a sender an owner left out without proof (a timeout, or a silent drop)
+is nobody's fault here — it just does not count toward that sender's participation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from template.p2p.keys import verify_signature
+from template.p2p.publication import Publication
+from template.training.averaging import AveragingResult
+from template.training.codecs import CodecError, SegmentCodec
+from template.training.contribution import (
+    Commitment,
+    ContributionError,
+    codec_descriptor,
+    decode_segments,
+    leaf_digest,
+    merkle_root,
+    statement_bytes,
+)
+from template.training.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
+
+Tensors = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ReadPublication:
+    """A publication whose bytes are the miner's committed contribution, decoded (or why it is not)."""
+
+    tensors: Tensors | None
+    segments: tuple[bytes, ...] = ()
+    commitment: Commitment | None = None
+    reason: str = ""
+
+
+def read_publication(publication: Publication, codec: SegmentCodec, shapes: Sequence[torch.Size], scope: str,
+                     contributed: Mapping | None) -> ReadPublication:
+    """Check that ``publication`` is the contribution its miner committed to (module docstring), and decode it.
+
+    ``contributed`` is the commitment (wire form) the miner gave the round's group, when the validator saw it there.
+    """
+    meta = publication.meta
+    try:
+        commitment = Commitment.from_wire(dict(meta.commitment))
+    except ContributionError as err:
+        return ReadPublication(None, reason=f"malformed commitment: {err}")
+    numel = sum(s.numel() for s in shapes)
+    expected = (meta.hotkey, scope, meta.round, codec_descriptor(codec), numel)
+    if (commitment.key, commitment.scope, commitment.round, commitment.codec, commitment.numel) != expected:
+        return ReadPublication(None, reason="its commitment is for another key, run, round, codec or model size")
+    if not commitment.verify(verify_signature):
+        return ReadPublication(None, reason="its commitment is not signed by its hotkey")
+    segments, offset = [], 0
+    for index in range(-(-numel // codec.segment_values)):
+        size = codec.encoded_size(min(codec.segment_values, numel - index * codec.segment_values))
+        segments.append(publication.payload[offset:offset + size])
+        offset += size
+    if offset != len(publication.payload) or merkle_root([leaf_digest(s) for s in segments]) != commitment.root:
+        return ReadPublication(None, reason="its payload is not the contribution it committed to")
+    if contributed is not None and contributed != commitment.to_wire():
+        return ReadPublication(None, reason="it published other bytes than it contributed to the all-reduce")
+    try:
+        flat = decode_segments(codec, segments, numel)
+    except (CodecError, ContributionError) as err:
+        return ReadPublication(None, reason=f"its committed contribution does not decode: {err}")
+    tensors = [part.view(shape) for part, shape in zip(flat.split([s.numel() for s in shapes]), shapes, strict=True)]
+    return ReadPublication(tensors, tuple(segments), commitment)
+
+
+@dataclass
+class AuditResult:
+    """Who the all-reduce's own evidence convicts (peer id → why), and what could not be checked."""
+
+    accused: dict[str, str] = field(default_factory=dict)
+    segments_checked: int = 0
+    segments_unchecked: int = 0
+
+
+def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequence[bytes]], codec: SegmentCodec,
+                    scope: str, round: int, clip_multiple: float | None) -> AuditResult:
+    """Check the round's all-reduce from the validator's view of it against the verified publications
+    (``segments_by_peer``: peer id → the segments it committed and published; module docstring)."""
+    audit, outcome = result.audit, AuditResult()
+    senders: list[str] = audit.get("senders", [])
+    if not senders:
+        return outcome
+    members = list(result.group)
+    commitments = {peer: Commitment.from_wire(c) for peer, c in result.commitments.items()}
+    announced = [result.weights.get(peer) for peer in senders]
+    cap = weight_cap(announced)
+    for owner in audit.get("conflicts", []):
+        outcome.accused[members[owner]] = "signed different shares for different members of the group (its own " \
+                                          "certificates)"
+    for key, record in audit.get("segments", {}).items():
+        segment, owner = int(key), members[record["owner"]]
+        for sender_index, leaf_hex, signature_hex in record["refusals"]:
+            sender = senders[sender_index]
+            statement = statement_bytes(scope, round, segment, bytes.fromhex(leaf_hex))
+            committed = segments_by_peer.get(sender)
+            proven = sender in commitments and verify_signature(commitments[sender].key, statement,
+                                                                bytes.fromhex(signature_hex))
+            if proven and (committed is None or leaf_digest(committed[segment]) != bytes.fromhex(leaf_hex)):
+                outcome.accused.setdefault(sender, f"sent segment {segment} other than it committed (its own "
+                                                   "signed statement)")
+            else:
+                outcome.accused.setdefault(owner, f"refused {sender}'s segment {segment} without proof")
+        if not all(senders[s] in segments_by_peer for s in record["included"]):
+            outcome.segments_unchecked += 1
+            continue
+        inputs = [SegmentInput(s, segments_by_peer[senders[s]][segment], announced[s] or 0.0)
+                  for s in record["included"]]
+        numel = _segment_numel(codec, commitments, segment)
+        try:
+            expected = reduce_segment(inputs, numel, codec, announced, clip_multiple, cap)
+        except NoValidContribution:
+            expected = None
+        outcome.segments_checked += 1
+        if expected is None or hashlib.sha256(expected.data).hexdigest() != record["digest"] \
+                or list(expected.included) != record["included"]:
+            outcome.accused.setdefault(owner, f"returned a wrong average for segment {segment} (recomputed from "
+                                              "the publications)")
+    return outcome
+
+
+def _segment_numel(codec: SegmentCodec, commitments: Mapping[str, Commitment], segment: int) -> int:
+    numel = next(iter(commitments.values())).numel
+    start = segment * codec.segment_values
+    return min(codec.segment_values, numel - start)

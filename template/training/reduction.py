@@ -1,0 +1,106 @@
+"""The reducer's rule for one segment, as a pure function: what a part owner computes, and what a validator recomputes.
+
+Given the contributions that reached the owner for one segment (already checked against their senders' signed roots),
+:func:`reduce_segment`
+
+1. drops contributions whose bytes do not decode, whose values are not finite, or whose weight differs from the
+   weight the sender announced at matchmaking;
+2. clips each remaining contribution's L2 norm to ``clip_multiple`` × the *lower* median of their norms (the lower
+   median, so that in a group of two an inflated Δ is clipped to the honest one's scale), and caps each sender's
+   weight at :data:`WEIGHT_CAP_MULTIPLE` × the lower median of the weights announced at matchmaking
+   (:func:`weight_cap`: a peer announcing 1e300 tokens would otherwise set the direction of the average alone);
+3. takes the weighted mean, accumulated in float64 in a fixed order (the senders' order in the group), and encodes
+   it once with the codec's ``encode_average``.
+
+Every step is deterministic, so the same inputs give the same bytes on any machine: the owner sends those bytes to
+every member (all members hold bit-identical Δ̄), and a validator holding every contributor's publication recomputes
+them bit for bit (:mod:`template.base.audit`), which is what checks an owner's own share of its segment — the one
+contribution that never crosses the wire. Nothing here knows about hivemind or networks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from template.training.codecs import CodecError, SegmentCodec
+
+# A sender's weight (tokens) counts at most this many times the lower median of the group's announced weights.
+WEIGHT_CAP_MULTIPLE = 4.0
+
+
+@dataclass(frozen=True)
+class SegmentInput:
+    """One sender's encoded bytes for one segment, with the weight it sent along."""
+
+    sender: int  # index among the group's senders (the order of the group)
+    data: bytes
+    weight: float
+
+
+@dataclass(frozen=True)
+class ReducedSegment:
+    data: bytes  # encode_average of the mean: the same bytes for every member
+    included: tuple[int, ...]  # senders whose contribution is in the mean, in order
+    weight: float  # their total (capped) weight
+    dropped: tuple[tuple[int, str], ...]  # (sender, why) for contributions that did not count
+    clipped: tuple[tuple[int, float], ...]  # (sender, factor) for contributions whose norm was clipped
+
+
+class NoValidContribution(ValueError):
+    """Not one contribution to a segment counted: the segment cannot be averaged."""
+
+
+def lower_median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def weight_cap(announced: Sequence[float | None]) -> float:
+    """The most weight any sender counts with: WEIGHT_CAP_MULTIPLE × the lower median of the positive weights
+    announced at matchmaking (the same for every owner: everyone sees the same announcements)."""
+    positive = [w for w in announced if w is not None and math.isfinite(w) and w > 0]
+    return WEIGHT_CAP_MULTIPLE * lower_median(positive) if positive else math.inf
+
+
+def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCodec,
+                   announced: Sequence[float | None], clip_multiple: float | None, cap: float) -> ReducedSegment:
+    """The owner's rule (module docstring). ``announced[s]`` is sender s's weight from matchmaking (None when its
+    announcement was malformed); raises NoValidContribution when nothing counts."""
+    valid: list[tuple[int, torch.Tensor, float]] = []
+    dropped: list[tuple[int, str]] = []
+    for item in sorted(inputs, key=lambda i: i.sender):
+        try:
+            values = codec.decode(item.data, numel)
+        except CodecError as err:
+            dropped.append((item.sender, f"undecodable: {err}"))
+            continue
+        expected = announced[item.sender]
+        if expected is None or not math.isfinite(item.weight) or item.weight != expected:
+            dropped.append((item.sender, f"weight {item.weight} differs from the announced weight {expected}"))
+        elif not bool(torch.isfinite(values).all()):
+            dropped.append((item.sender, "non-finite values"))
+        elif item.weight > 0:
+            valid.append((item.sender, values, min(item.weight, cap)))
+    if not valid:
+        raise NoValidContribution("no valid contribution")
+
+    norms = [float(torch.linalg.vector_norm(values, dtype=torch.float64)) for _, values, _ in valid]
+    factors = [1.0] * len(valid)
+    clipped: list[tuple[int, float]] = []
+    if clip_multiple:
+        bound = clip_multiple * lower_median(norms)
+        for i, norm in enumerate(norms):
+            if norm > bound:
+                factors[i] = bound / norm
+                clipped.append((valid[i][0], factors[i]))
+    total = sum(weight for _, _, weight in valid)
+    accumulator = torch.zeros(numel, dtype=torch.float64)
+    for (_, values, weight), factor in zip(valid, factors, strict=True):
+        accumulator.add_(values, alpha=weight * factor / total)  # float32 values promote into the float64 sum
+    mean = accumulator.to(torch.float32)
+    return ReducedSegment(codec.encode_average(mean), tuple(s for s, _, _ in valid), total, tuple(dropped),
+                          tuple(clipped))

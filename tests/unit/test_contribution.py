@@ -1,0 +1,109 @@
+"""A contribution's commitment: Merkle roots and range proofs, the signed commitment and statements, the owner's rule.
+
+These are the pieces that make "scored = applied" checkable: an owner verifies the leaves of its range against the
+sender's signed root, a validator recomputes an owner's averaged segment bit for bit from the senders' publications.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from template.training.codecs import get_codec
+
+from template.p2p.keys import ephemeral_signer, verify_signature
+from template.training.contribution import (
+    Commitment,
+    ContributionError,
+    decode_segments,
+    encode_contribution,
+    leaf_digest,
+    merkle_levels,
+    merkle_root,
+    range_proof,
+    root_from_range,
+    sign_statements,
+    statement_bytes,
+)
+from template.training.reduction import SegmentInput, reduce_segment, weight_cap
+
+
+def leaves(n: int) -> list[bytes]:
+    return [leaf_digest(bytes([i % 256]) * (i + 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 13])
+def test_every_range_of_every_tree_proves_the_root(count):
+    tree = leaves(count)
+    levels = merkle_levels(tree)
+    root = merkle_root(tree)
+    for start, stop in itertools.combinations(range(count + 1), 2):
+        proof = range_proof(levels, start, stop)
+        assert len(proof) <= 2 * len(levels)
+        assert root_from_range(tree[start:stop], start, stop, count, proof) == root
+
+
+def test_a_forged_leaf_or_a_wrong_proof_gives_another_root():
+    tree = leaves(7)
+    levels, root = merkle_levels(tree), merkle_root(tree)
+    proof = range_proof(levels, 2, 5)
+    forged = list(tree[2:5])
+    forged[1] = leaf_digest(b"other bytes")
+    assert root_from_range(forged, 2, 5, 7, proof) != root
+    assert root_from_range(tree[2:5], 2, 5, 7, [bytes(32)] * len(proof)) != root
+    with pytest.raises(ContributionError):
+        root_from_range(tree[2:5], 2, 5, 7, proof[:-1])  # too short
+    with pytest.raises(ContributionError):
+        root_from_range(tree[2:5], 2, 5, 7, [*proof, bytes(32)])  # too long
+    with pytest.raises(ContributionError):
+        root_from_range(tree[2:4], 2, 5, 7, proof)  # the leaves do not fill the range
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.data())
+def test_range_proofs_hold_for_random_trees_and_ranges(count, data):
+    tree = leaves(count)
+    start = data.draw(st.integers(0, count - 1))
+    stop = data.draw(st.integers(start + 1, count))
+    assert root_from_range(tree[start:stop], start, stop, count, range_proof(merkle_levels(tree), start, stop)) == \
+        merkle_root(tree)
+
+
+@pytest.mark.parametrize("codec_name", ["none", "fp16", "int8"])
+def test_a_contribution_is_encoded_once_and_its_commitment_signed(codec_name):
+    codec = get_codec(codec_name)
+    flat = torch.randn(3 * codec.segment_values + 17)
+    contribution = encode_contribution(codec, flat)
+    assert len(contribution.segments) == 4 and contribution.root == merkle_root(contribution.leaves)
+    assert torch.equal(decode_segments(codec, contribution.segments, flat.numel()), contribution.decoded)
+    signer = ephemeral_signer()
+    commitment = Commitment.sign(signer, "netuid1/run", 7, contribution)
+    assert commitment.verify(verify_signature)
+    assert Commitment.from_wire(commitment.to_wire()) == commitment
+    for field, value in (("round", 8), ("scope", "netuid2/run"), ("root", bytes(32)), ("numel", 5)):
+        forged = Commitment(**{**commitment.__dict__, field: value})
+        assert not forged.verify(verify_signature), field
+    statements = sign_statements(signer, "netuid1/run", 7, contribution)
+    assert all(verify_signature(signer.key, statement_bytes("netuid1/run", 7, k, leaf), sig)
+               for k, (leaf, sig) in enumerate(zip(contribution.leaves, statements, strict=True)))
+    for bad in ({}, {**commitment.to_wire(), "root": "zz"}, {**commitment.to_wire(), "round": -1}, [1, 2]):
+        with pytest.raises(ContributionError):
+            Commitment.from_wire(bad)
+
+
+def test_the_owners_rule_is_deterministic_and_checks_what_it_is_given():
+    codec = get_codec("fp16")
+    segments = [encode_contribution(codec, torch.randn(100) * (i + 1)).segments[0] for i in range(3)]
+    inputs = [SegmentInput(i, data, 10.0) for i, data in enumerate(segments)]
+    announced = [10.0, 10.0, 10.0]
+    first = reduce_segment(inputs, 100, codec, announced, 3.0, weight_cap(announced))
+    again = reduce_segment(list(reversed(inputs)), 100, codec, announced, 3.0, weight_cap(announced))
+    assert first == again and first.included == (0, 1, 2)
+    lying = [SegmentInput(0, segments[0], 99.0), *inputs[1:]]  # another weight than announced: dropped
+    dropped = reduce_segment(lying, 100, codec, announced, 3.0, weight_cap(announced))
+    assert dropped.included == (1, 2) and "announced" in dropped.dropped[0][1]
+    garbage = [SegmentInput(0, b"junk", 10.0), *inputs[1:]]
+    assert reduce_segment(garbage, 100, codec, announced, 3.0, weight_cap(announced)).included == (1, 2)
