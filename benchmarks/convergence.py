@@ -1,6 +1,9 @@
-"""Convergence: DiLoCo vs synchronous data-parallel vs one worker, on the same tokens, from the same θ_0.
+"""Convergence: DiLoCo vs synchronous data-parallel vs one worker, on the same tokens, from the same θ_0; codecs
+(dense and sparse) and overlapped communication, on an exact in-process simulator.
 
-``python -m benchmarks.convergence [--quick] [--engine exact|hivemind|both]``
+``python -m benchmarks.convergence [--quick] [--engine exact|hivemind|both] [--codecs none,fp16,int8,sparse]
+[--sparse-k K --sparse-chunk C --sparse-bits B --sparse-quantizer Q --no-error-feedback] [--sweep]
+[--overlap fp16,sparse]``
 
 Arms (tiny preset, byte-level data, the engine's default inner AdamW settings for every arm):
 
@@ -9,15 +12,43 @@ Arms (tiny preset, byte-level data, the engine's default inner AdamW settings fo
   global batch has exactly the mean of the N workers' gradients), S steps. Same tokens as DiLoCo.
 - ``single``: one worker, S steps on worker 0's batches (its batch = the per-worker batch): 1/N of the tokens.
 - ``diloco_<codec>``: N replicas, S/H rounds of H inner steps each on the data the engine assigns to
-  ``peer0..peerN-1``; Δ̄ is the exact token-weighted mean of the pseudo-gradients (float64 accumulation, float32
-  result — what the engine's reducer computes), with the codec applied as the engine applies it: every Δ_i goes
-  through the codec, the mean goes through it again (the engine skips the first round trip for the 1/N of Δ that a
-  peer owns, so this is slightly pessimistic); the outer step is the engine's ``OuterOptimizer``.
+  ``peer0..peerN-1``, with the segment codecs of ``template.training.codecs`` applied exactly as the engine applies
+  them: each peer's flat Δ (plus its residual, kept across rounds, for ``sparse``) goes through
+  ``encode_with_feedback``; the token-weighted mean of the *decoded* contributions (float64 accumulation, float32
+  result — the reducer's arithmetic) goes through ``encode_average``/``decode_average`` per segment; the outer step
+  is the engine's ``OuterOptimizer``. ``sparse`` takes its settings from ``--sparse-*``; ``--sweep`` runs k ∈ {20,
+  64, 128, 256} of 4096 × bits ∈ {2, 4, 8} × with/without error feedback (24 arms) beside ``diloco_none`` and
+  ``diloco_fp16`` (and skips ``dp``/``single``).
+- ``diloco_<codec>_delayed`` / ``_eager`` / ``_eager_mixed`` (``--overlap``): round r's all-reduce runs while round r+1
+  trains. Notation: G_r is the global θ after the outer steps of Δ̄_0 … Δ̄_{r−1}, identical on every peer (G_0 = θ_0,
+  G_{r+1} = outer(G_r, Δ̄_r), with the outer optimizer's momentum); Δ̄_r arrives during round r+1, so at the start of
+  round r+1 a peer knows G_r but not G_{r+1}. Every peer contributes its *own progress* in the round:
+  Δ_{i,r} = S_{i,r} − θ_local_{i,r}, where S_{i,r} is the θ its inner training of round r started from.
+
+  - blocking (``diloco_<codec>``): S_{i,r+1} = G_{r+1} (wait for Δ̄_r).
+  - delayed: S_{i,r+1} = G_r, the same on every peer: the outer step lags one round (the start-point track
+    B_{r+1} = outer(B_r, Δ̄_{r−1})), and Δ̄_r, measured from B_r = G_{r−1}, is applied to G_r (one round stale).
+  - eager: S_{i,r+1} = outer(G_r, D_{i,r}) computed on a local copy of G_r and its momentum, where D_{i,r} is the
+    peer's own *decoded* contribution (exactly the bytes it published) standing in for Δ̄_r. The global track still
+    applies the true Δ̄_r once it arrives, so every peer's G stays identical, and the mean of the peers' start points
+    is G_{r+1} up to the averaged segment's rounding (the outer step is affine in Δ). Using the decoded contribution
+    (not the raw Δ) keeps S_{i,r+1} a function of public data — a validator can recompute where the miner started —
+    and keeps the stand-ins' mean equal to the mean that is actually applied.
+  - eager_mixed: as eager, but the stand-in is the last average that did arrive with the peer's own share of it
+    replaced by its fresh contribution, Δ̄_{r−1} + (w_i/W)·(D_{i,r} − D_{i,r−1}) (Δ̄_{−1} = D_{i,−1} = 0): the
+    mixture of Kale et al., "Eager updates for overlapped communication and computation in DiLoCo" (2025) — the
+    others' part is one round stale, but it is a mean of N, not one peer's noisy progress.
+
+  Every arm is evaluated at equal inner steps on the global θ once every all-reduce it started has landed (after
+  round r: G_{r+1}); the final loss is that of G_R.
 - ``hivemind_<codec>`` (``--engine hivemind``/``both``): the real engine — N ``template.training.peer`` processes
   on 127.0.0.1 with the same data, H and seeds; peer 0's final checkpoint is evaluated on the same held-out windows.
 
-All arms are deterministic (one torch thread each), so ``--jobs`` only changes the wall time. Every loss is the
-mean next-token loss on the same fixed held-out windows, which no worker trains on.
+Bytes: a peer's contribution is the sum of its encoded segments; the averaged bytes are those of every averaged
+segment. In a butterfly a peer sends (N−1)/N of its contribution and (N−1)/N × the averaged bytes (it serves its
+1/N share of them to N−1 peers), and receives as much. All arms are deterministic (one torch thread each), so
+``--jobs`` only changes the wall time. Every loss is the mean next-token loss on the same fixed held-out windows,
+which no worker trains on.
 """
 
 from __future__ import annotations
@@ -45,12 +76,17 @@ from benchmarks.common import (
     ratio,
     run_peers,
 )
+from template.training.codecs import SegmentCodec, SparseCodec, SparseSettings, encode_segments, encode_with_feedback
 
 log = logging.getLogger("benchmarks.convergence")
 
-BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 256}  # int8: one float32 scale per 256 values
 DILOCO_OVER_DP_GOAL = 1.02
 CODEC_LOSS_GOAL = 0.01
+SPARSE_OVER_DENSE_GOAL = 1.01  # the product's bar: sparse held-out loss ≤ 1.01 × dense fp32
+OVERLAP_OVER_BLOCKING_GOAL = 1.01  # overlapped communication within 1 % of the blocking arm
+SWEEP_K = (20, 64, 128, 256)  # of 4096: density ≈ 0.5 %, 1.6 %, 3.1 %, 6.3 %
+SWEEP_BITS = (2, 4, 8)
+OVERLAP_MODES = ("blocking", "delayed", "eager", "eager_mixed")
 
 
 @dataclass(frozen=True)
@@ -81,6 +117,13 @@ class Arm:
     codec: str = "none"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    sparse: SparseSettings | None = None  # the settings of a "sparse" arm
+    overlap: str = "blocking"  # one of OVERLAP_MODES (module docstring)
+
+    def build_codec(self) -> SegmentCodec:
+        from template.training.codecs import get_codec
+
+        return SparseCodec(self.sparse) if self.codec == "sparse" else get_codec(self.codec)
 
 
 class _Data:
@@ -114,55 +157,125 @@ class _Data:
         return evaluate(model, self.corpus.batches(windows, 64), "cpu")
 
 
-def codec_mean(deltas: list[list[torch.Tensor]], codec_name: str) -> list[torch.Tensor]:
-    """Δ̄ = codec(mean_i codec(Δ_i)), mean accumulated in float64 (equal token weights)."""
-    from hivemind.compression import CompressionInfo
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
 
-    from template.training.compression import get_compression
 
-    codec = get_compression(codec_name)
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in like]), like, strict=True)]
 
-    def roundtrip(tensor: torch.Tensor) -> torch.Tensor:
-        if codec_name == "none":
-            return tensor
-        return codec.extract(codec.compress(tensor, CompressionInfo.from_tensor(tensor)))
 
-    averaged = []
-    for k in range(len(deltas[0])):
-        accumulator = torch.zeros(deltas[0][k].shape, dtype=torch.float64)
-        for delta in deltas:
-            accumulator.add_(roundtrip(delta[k]).to(torch.float64), alpha=1.0 / len(deltas))
-        averaged.append(roundtrip(accumulator.to(torch.float32)))
-    return averaged
+def weighted_mean(decoded: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The reducer's arithmetic: Σ w_i·x_i / Σ w_i accumulated in float64 in peer order, float32 result."""
+    total = sum(weights)
+    accumulator = torch.zeros(decoded[0].numel(), dtype=torch.float64)
+    for values, weight in zip(decoded, weights, strict=True):
+        accumulator.add_(values, alpha=weight / total)
+    return accumulator.to(torch.float32)
+
+
+@dataclass
+class _Peers:
+    """The simulated peers of a DiLoCo arm: replicas, their inner optimizers, residuals and start points."""
+
+    models: list[torch.nn.Module]
+    trainers: list[Any]
+    residuals: list[torch.Tensor | None]
+    starts: list[torch.Tensor]  # flat θ each peer's next round starts from
+
+
+def _stepped(outer, delta: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """Flat θ of ``outer.step(delta)`` taken on a copy of ``outer`` (θ and momentum): ``outer`` is not changed."""
+    from template.training.outer import OuterOptimizer
+
+    scratch = OuterOptimizer(model, outer.config)
+    scratch.load_state_dict(outer.state_dict())
+    scratch.step(unflatten(delta, scratch.params()))
+    return flatten(scratch.params())
+
+
+def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
+    """One DiLoCo arm (module docstring): returns the final model, its curve and the bytes it sent."""
+    from template.training.inner import InnerConfig, InnerTrainer
+    from template.training.outer import OuterConfig, OuterOptimizer
+
+    codec = arm.build_codec()
+    models = [data.build_model() for _ in range(setup.workers)]
+    outer = OuterOptimizer(models[0], OuterConfig(lr=arm.outer_lr, momentum=arm.outer_momentum,
+                                                  nesterov=arm.outer_momentum > 0))
+    theta_0 = flatten(outer.params())
+    peers = _Peers(models, [InnerTrainer(model, InnerConfig(), "cpu") for model in models],
+                   [None] * setup.workers, [theta_0] * setup.workers)
+    in_flight: torch.Tensor | None = None  # Δ̄ of the previous round, still being all-reduced (overlap arms)
+    previous = [torch.zeros_like(theta_0)] * setup.workers  # each peer's decoded contribution of the last round
+    curve, contribution_bytes, averaged_bytes = [], 0, []
+    for r in range(setup.rounds):
+        decoded, weights = [], []
+        for worker, (model, trainer) in enumerate(zip(peers.models, peers.trainers, strict=True)):
+            _load_flat(model, peers.starts[worker], outer.params())
+            stats = trainer.train(data.worker_batches(worker, r), setup.inner_steps)
+            delta = peers.starts[worker] - flatten(list(model.parameters()))
+            segments, contribution, peers.residuals[worker] = encode_with_feedback(
+                codec, delta, peers.residuals[worker] if codec.error_feedback else None)
+            contribution_bytes = sum(len(segment) for segment in segments)
+            decoded.append(contribution)
+            weights.append(float(stats.tokens))
+        averaged_segments, averaged = encode_segments(codec, weighted_mean(decoded, weights), average=True)
+        averaged_bytes.append(sum(len(segment) for segment in averaged_segments))
+        if arm.overlap == "blocking":
+            outer.step(unflatten(averaged, outer.params()))
+            peers.starts = [flatten(outer.params())] * setup.workers
+        else:
+            if in_flight is not None:  # Δ̄_{r−1} lands during round r: G_{r−1} → G_r
+                outer.step(unflatten(in_flight, outer.params()))
+            if arm.overlap == "delayed":
+                peers.starts = [flatten(outer.params())] * setup.workers
+            elif arm.overlap == "eager":  # each peer's own decoded contribution stands in for Δ̄_r on a copy of G_r
+                peers.starts = [_stepped(outer, own, models[0]) for own in decoded]
+            else:  # eager_mixed: Δ̄_{r−1} with the peer's own share swapped for its fresh contribution
+                landed = torch.zeros_like(theta_0) if in_flight is None else in_flight
+                peers.starts = [_stepped(outer, landed + (own - old) * (weight / sum(weights)), models[0])
+                                for own, old, weight in zip(decoded, previous, weights, strict=True)]
+                previous = decoded
+            in_flight = averaged
+        settled = flatten(outer.params()) if in_flight is None else _stepped(outer, in_flight, models[0])
+        _load_flat(models[0], settled, outer.params())
+        curve.append(dict(step=(r + 1) * setup.inner_steps, loss=data.loss(models[0], data.curve_windows)))
+    if in_flight is not None:  # the last all-reduce lands: G_R
+        outer.step(unflatten(in_flight, outer.params()))
+    outer.load_into(models[0])
+    params = theta_0.numel()
+    share = (setup.workers - 1) / setup.workers
+    return dict(
+        model=models[0], curve=curve, theta_hash=outer.theta_hash(),
+        bytes_sent_per_peer=round(share * (setup.rounds * contribution_bytes + sum(averaged_bytes))),
+        contribution_bytes=contribution_bytes, averaged_bytes=averaged_bytes,
+        contribution_bits_per_param=8 * contribution_bytes / params,
+        averaged_bits_per_param=8 * sum(averaged_bytes) / len(averaged_bytes) / params,
+    )
+
+
+def _load_flat(model: torch.nn.Module, flat: torch.Tensor, like: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), unflatten(flat, like), strict=True):
+            p.copy_(value)
 
 
 def run_arm(setup: Setup, arm: Arm) -> dict[str, Any]:
     """Train one arm from θ_0 and return its held-out losses (runs in a worker process, one torch thread)."""
     from template.training.inner import InnerConfig, InnerTrainer
-    from template.training.outer import OuterConfig, OuterOptimizer
 
     torch.set_num_threads(1)
     started = time.monotonic()
     data = _Data(setup)
-    curve = []
+    extra: dict[str, Any] = {}
     if arm.kind == "diloco":
-        models = [data.build_model() for _ in range(setup.workers)]
-        trainers = [InnerTrainer(model, InnerConfig(), "cpu") for model in models]
-        outer_config = OuterConfig(lr=arm.outer_lr, momentum=arm.outer_momentum, nesterov=arm.outer_momentum > 0)
-        outer = OuterOptimizer(models[0], outer_config)
-        for r in range(setup.rounds):
-            deltas = []
-            for worker, (model, trainer) in enumerate(zip(models, trainers, strict=True)):
-                outer.load_into(model)
-                trainer.train(data.worker_batches(worker, r), setup.inner_steps)
-                deltas.append(outer.pseudo_gradient(model))
-            outer.step(codec_mean(deltas, arm.codec))
-            outer.load_into(models[0])
-            curve.append(dict(step=(r + 1) * setup.inner_steps, loss=data.loss(models[0], data.curve_windows)))
-        model, theta_hash = models[0], outer.theta_hash()
+        extra = run_diloco(setup, arm, data)
+        model, curve, theta_hash = extra.pop("model"), extra.pop("curve"), extra.pop("theta_hash")
     else:
         model = data.build_model()
         trainer = InnerTrainer(model, InnerConfig(), "cpu")
+        curve = []
         for r in range(setup.rounds):
             if arm.kind == "single":
                 batches = data.worker_batches(0, r)
@@ -177,14 +290,15 @@ def run_arm(setup: Setup, arm: Arm) -> dict[str, Any]:
     workers = 1 if arm.kind == "single" else setup.workers
     tokens = setup.steps_per_worker * setup.batch_size * setup.seq_len * workers
     communications = {"dp": setup.steps_per_worker, "single": 0, "diloco": setup.rounds}[arm.kind]
-    bytes_per_value = BYTES_PER_VALUE["none" if arm.kind == "dp" else arm.codec]
-    per_comm = butterfly_bytes(params, setup.workers, bytes_per_value) if arm.kind != "single" else 0.0
+    if arm.kind == "dp":  # float32 gradients through a ring/butterfly every step
+        extra["bytes_sent_per_peer"] = round(communications * butterfly_bytes(params, setup.workers, 4.0))
+    elif arm.kind == "single":
+        extra["bytes_sent_per_peer"] = 0
     described = asdict(arm) if arm.kind == "diloco" else dict(name=arm.name, kind=arm.kind)
     return dict(
         described, final_heldout_loss=data.loss(model, data.eval_windows), curve=curve,
-        steps_per_worker=setup.steps_per_worker, tokens=tokens, communications=communications,
-        bytes_sent_per_peer=round(communications * per_comm), params=params,
-        seconds=round(time.monotonic() - started, 1), theta_hash=theta_hash,
+        steps_per_worker=setup.steps_per_worker, tokens=tokens, communications=communications, params=params,
+        seconds=round(time.monotonic() - started, 1), theta_hash=theta_hash, **extra,
     )
 
 
@@ -239,9 +353,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=None, help="default 64; --quick 32")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per worker step (default 8; --quick 2)")
     parser.add_argument("--eval-windows", type=int, default=None, help="held-out windows of the final loss")
-    parser.add_argument("--codecs", default="none,fp16,int8", help="DiLoCo arms, one per codec (first = headline)")
+    parser.add_argument("--codecs", default="none,fp16,int8",
+                        help="DiLoCo arms, one per codec of none,fp16,int8,sparse (first = headline)")
     parser.add_argument("--outer", default="0.7:0.9",
                         help="outer lr:momentum pairs; the first is the headline, the others are a sweep (codec none)")
+    defaults = SparseSettings()
+    parser.add_argument("--sparse-k", type=int, default=defaults.k, help="entries kept per chunk")
+    parser.add_argument("--sparse-chunk", type=int, default=defaults.chunk, help="values per chunk")
+    parser.add_argument("--sparse-bits", type=int, default=defaults.bits, help="bits per kept value")
+    parser.add_argument("--sparse-quantizer", default=defaults.quantizer, choices=["signmag", "uniform"])
+    parser.add_argument("--no-error-feedback", action="store_true", help="sparse senders keep no residual")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"sparse k {SWEEP_K} of chunk 4096 × bits {SWEEP_BITS} × error feedback on/off, "
+                             "beside diloco_none and diloco_fp16 (replaces --codecs, skips dp and single)")
+    parser.add_argument("--no-reference-arms", action="store_true",
+                        help="skip dp and single (they do not depend on codecs; deterministic, so earlier runs hold)")
+    parser.add_argument("--overlap", default="",
+                        help="codecs that also get overlapped-all-reduce arms (--overlap-modes), e.g. fp16,sparse")
+    parser.add_argument("--overlap-modes", default=",".join(OVERLAP_MODES[1:]),
+                        help=f"which overlap arms --overlap adds, of {','.join(OVERLAP_MODES[1:])}")
     parser.add_argument("--engine", choices=["exact", "hivemind", "both"], default="exact")
     parser.add_argument("--engine-codec", default="fp16", help="codec of the hivemind-engine run")
     parser.add_argument("--jobs", type=int, default=None, help="arms trained in parallel (default 2; --quick 1)")
@@ -249,24 +379,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_arms(args: argparse.Namespace) -> tuple[list[Arm], list[str]]:
+    """The arms a command line asks for, and the codecs of the plain ``diloco_<codec>`` arms."""
+    outer = parse_outer(args.outer)
+    lr, momentum = outer[0]
+    sparse = SparseSettings(chunk=args.sparse_chunk, k=args.sparse_k, bits=args.sparse_bits,
+                            quantizer=args.sparse_quantizer, error_feedback=not args.no_error_feedback)
+
+    def diloco(codec: str, name: str = "", overlap: str = "blocking", settings: SparseSettings = sparse) -> Arm:
+        return Arm(name or f"diloco_{codec}", "diloco", codec, lr, momentum,
+                   settings if codec == "sparse" else None, overlap)
+
+    if args.sweep:
+        codecs = ["none", "fp16"]
+        arms = [diloco(c) for c in codecs]
+        arms += [diloco("sparse", f"diloco_sparse_k{k}_b{bits}" + ("" if feedback else "_noef"),
+                        settings=SparseSettings(chunk=4096, k=k, bits=bits, error_feedback=feedback))
+                 for feedback in (True, False) for k in SWEEP_K for bits in SWEEP_BITS]
+    else:
+        codecs = args.codecs.split(",")
+        arms = [] if args.no_reference_arms else [Arm("dp", "dp"), Arm("single", "single")]
+        arms += [diloco(c) for c in codecs]
+        arms += [Arm(f"diloco_none_lr{lr_}_m{m}", "diloco", "none", lr_, m) for lr_, m in outer[1:]]
+    for codec in filter(None, args.overlap.split(",")):
+        if codec not in codecs:
+            arms.append(diloco(codec))
+        arms += [diloco(codec, f"diloco_{codec}_{mode}", mode) for mode in args.overlap_modes.split(",")]
+    return arms, codecs
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_benchmark_args(build_parser(), argv, inner_steps=(50, 4), rounds=(6, 2), seq_len=(64, 32),
+    parser = build_parser()
+    args = parse_benchmark_args(parser, argv, inner_steps=(50, 4), rounds=(6, 2), seq_len=(64, 32),
                                 batch_size=(8, 2), eval_windows=(512, 16), jobs=(2, 1))
+    if set(args.overlap_modes.split(",")) - set(OVERLAP_MODES[1:]):
+        parser.error(f"--overlap-modes takes {','.join(OVERLAP_MODES[1:])}, got {args.overlap_modes}")
     quick = args.quick
     setup = Setup(
         data=args.data, model=args.preset, workers=args.workers, inner_steps=args.inner_steps, rounds=args.rounds,
         seq_len=args.seq_len, batch_size=args.batch_size, eval_windows=args.eval_windows,
         curve_windows=8 if quick else 128,
     )
-    codecs = args.codecs.split(",")
-    outer = parse_outer(args.outer)
-    headline_lr, headline_momentum = outer[0]
-    arms = [Arm("dp", "dp"), Arm("single", "single")]
-    arms += [Arm(f"diloco_{c}", "diloco", c, headline_lr, headline_momentum) for c in codecs]
-    arms += [Arm(f"diloco_none_lr{lr}_m{m}", "diloco", "none", lr, m) for lr, m in outer[1:]]
+    arms, codecs = build_arms(args)
+    headline_lr, headline_momentum = parse_outer(args.outer)[0]
     result: dict[str, Any] = dict(benchmark="convergence", machine=machine_info(), quick=quick, engine=args.engine,
                                   settings=dict(asdict(setup), data=data_name(setup.data), codecs=codecs,
-                                                outer=outer, steps_per_worker=setup.steps_per_worker))
+                                                outer=parse_outer(args.outer), sweep=args.sweep,
+                                                overlap=args.overlap, steps_per_worker=setup.steps_per_worker))
     started = time.monotonic()
     arm_results: dict[str, dict] = {}
     if args.engine in ("exact", "both"):
@@ -301,6 +460,7 @@ def summarize(arms: dict[str, dict], codecs: list[str]) -> dict[str, Any]:
     """Ratios against the baselines of the same run, and whether the goals are met."""
     loss = {name: arm.get("final_heldout_loss") for name, arm in arms.items()}
     summary: dict[str, Any] = {}
+    summary.update(compression_summary(arms, loss))
     headline = next((f"diloco_{c}" for c in codecs if loss.get(f"diloco_{c}") is not None), None)
     if headline is None:
         headline = next((name for name in arms if name.startswith("hivemind_") and loss.get(name)), None)
@@ -323,6 +483,33 @@ def summarize(arms: dict[str, dict], codecs: list[str]) -> dict[str, Any]:
     sweep = {name: value for name, value in loss.items() if "_lr" in name and value is not None}
     if sweep:
         summary["outer_sweep_over_dp"] = {name: value / loss["dp"] for name, value in sweep.items()}
+    return summary
+
+
+def compression_summary(arms: dict[str, dict], loss: dict[str, float | None]) -> dict[str, Any]:
+    """Every DiLoCo arm against dense fp32 (``diloco_none``), and every overlap arm against its blocking arm."""
+    dense = loss.get("diloco_none")
+    summary: dict[str, Any] = {}
+    if dense:
+        table = {name: dict(loss=loss[name], over_dense_fp32=loss[name] / dense,
+                            contribution_bits_per_param=arms[name]["contribution_bits_per_param"],
+                            averaged_bits_per_param=arms[name]["averaged_bits_per_param"])
+                 for name, arm in arms.items() if arm.get("kind") == "diloco" and loss.get(name)}
+        sparse = {name: row["over_dense_fp32"] for name, row in table.items()
+                  if arms[name]["codec"] == "sparse" and arms[name]["overlap"] == "blocking"}
+        summary.update(over_dense_fp32=table)
+        if sparse:
+            best = min(sparse, key=sparse.get)
+            summary.update(sparse_goal=SPARSE_OVER_DENSE_GOAL, best_sparse_arm=best,
+                           sparse_goal_met={name: value <= SPARSE_OVER_DENSE_GOAL for name, value in sparse.items()})
+    overlap = {}
+    for name, arm in arms.items():
+        blocking = f"diloco_{arm.get('codec')}"
+        if arm.get("overlap") in OVERLAP_MODES[1:] and loss.get(name) and loss.get(blocking):
+            overlap[name] = loss[name] / loss[blocking]
+    if overlap:
+        summary.update(overlap_over_blocking=overlap, overlap_goal=OVERLAP_OVER_BLOCKING_GOAL,
+                       overlap_goal_met={name: value <= OVERLAP_OVER_BLOCKING_GOAL for name, value in overlap.items()})
     return summary
 
 

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from template.base.behaviours import BUILTIN, load_behaviour
+from template.base.behaviours import BUILTIN
 from template.base.config import NeuronConfig, add_miner_args, add_neuron_args
 from template.base.miner import Miner
 from template.base.neuron import NEURON_ERRORS, fatal_error, prepare_process, start_neuron
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = NeuronConfig.from_args(args)
+        behaviour = config.miner.load()
     except ValueError as err:  # values that parse but do not fit together (e.g. a run id with a '.')
         parser.error(str(err))
     stop = prepare_process(config)
@@ -50,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     ctx = miner = None
     try:
         try:
-            behaviour = load_behaviour(config.miner.behaviour)
             wallet = config.chain.wallet
             hotkey = open_wallet(wallet.name, wallet.hotkey, wallet.path)
             if node.is_leader:

@@ -93,9 +93,14 @@ def read_publication(publication: Publication, codec: SegmentCodec, shapes: Sequ
 
 @dataclass
 class AuditResult:
-    """Who the all-reduce's own evidence convicts (peer id → why), and what could not be checked."""
+    """Who the all-reduce's own evidence convicts (peer id → why), and what could not be checked.
+
+    ``framed`` counts, per sender, the segments an owner refused without proof: the sender did its part, so its
+    participation must not suffer for the owner's lie.
+    """
 
     accused: dict[str, str] = field(default_factory=dict)
+    framed: dict[str, int] = field(default_factory=dict)
     segments_checked: int = 0
     segments_unchecked: int = 0
 
@@ -128,6 +133,7 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
                                                    "signed statement)")
             else:
                 outcome.accused.setdefault(owner, f"refused {sender}'s segment {segment} without proof")
+                outcome.framed[sender] = outcome.framed.get(sender, 0) + 1
         if not all(senders[s] in segments_by_peer for s in record["included"]):
             outcome.segments_unchecked += 1
             continue

@@ -14,6 +14,9 @@ attacks or training strategies (``--miner.behaviour my_module:MyBehaviour``, a s
 | stale          | its assigned windows             | its Δ of ``lag`` (2) rounds ago         | what it contributed    |
 | overfitter     | one fixed batch, over and over   | its Δ                                  | what it contributed    |
 | copycat        | nothing                          | the last Δ̄ it received, + small noise  | what it contributed    |
+| noisy-average  | 1 inner step (claims its tokens) | the last Δ̄ it received + ``rel`` noise  | what it contributed    |
+| stale-average  | 1 inner step                     | the Δ̄ of ``lag`` (2) rounds ago + noise | what it contributed    |
+| partial        | ``fraction`` of its H steps      | its Δ                                  | what it contributed    |
 | twofaced       | its assigned windows             | −Δ                                     | Δ                      |
 | twofaced-zero  | its assigned windows             | ~0 (1e-6 × Δ), its tokens claimed       | Δ                      |
 | equivocator    | its assigned windows             | segments other than those it committed | what it committed      |
@@ -176,6 +179,61 @@ class Copycat(_RemembersAverage):
                 for t in source]
 
 
+class _OneStepAverage(MinerBehaviour):
+    """Runs one inner step, so that it takes part in the round with tokens, and contributes a Δ̄ it received plus
+    Gaussian noise of ``rel`` × that Δ̄'s norm (per tensor): the cheap copier of the group's work. It keeps the last
+    ``lag + 1`` averages and uses the oldest it holds; its own one-step Δ until it has received one."""
+
+    lag = 0
+
+    def __init__(self, rel: float = 0.15, seed: int = 0) -> None:
+        if rel < 0:
+            raise ValueError(f"{self.name}: the relative noise must be >= 0, not {rel}")
+        self.rel = rel
+        self._generator = torch.Generator().manual_seed(seed)
+        self._averages: deque[Tensors] = deque(maxlen=self.lag + 1)
+
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        return replace(plan, max_steps=min(plan.max_steps, 1))
+
+    def after_round(self, outcome: RoundOutcome) -> None:
+        if outcome.averaged is not None:
+            self._averages.append([t.clone() for t in outcome.averaged])
+
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        if not self._averages:
+            return delta
+        source = self._averages[0]
+        return [t + n for t, n in zip(source, _noise_like(source, self.rel, self._generator), strict=True)]
+
+
+class NoisyAverage(_OneStepAverage):
+    """The freshest Δ̄ it has (the previous round's: the current one does not exist when contributions are made)."""
+
+    name = "noisy-average"
+
+
+class StaleAverage(_OneStepAverage):
+    """An older round's Δ̄ (``lag`` rounds before the freshest), to slip past replay checks of the latest average."""
+
+    name = "stale-average"
+    lag = 2
+
+
+class Partial(MinerBehaviour):
+    """Honest, but runs only ``fraction`` of the inner steps (at least one): its reward should shrink to match."""
+
+    name = "partial"
+
+    def __init__(self, fraction: float = 0.5) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"partial: the fraction of inner steps must be within (0, 1], not {fraction}")
+        self.fraction = fraction
+
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        return replace(plan, max_steps=max(1, round(self.fraction * plan.max_steps)))
+
+
 class _PublishesTheHonestDelta(MinerBehaviour):
     """Trains honestly and publishes its Δ, whatever it contributed."""
 
@@ -239,14 +297,23 @@ class Framer(MinerBehaviour):
     allreduce_faults = AllReduceFaults(frame=True)
 
 
-BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Overfitter, Copycat, TwoFaced,
-                                      TwoFacedZero, Equivocator, LiarReducer, SplitLiarReducer, Framer)}
+BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Overfitter, Copycat, NoisyAverage,
+                                      StaleAverage, Partial, TwoFaced, TwoFacedZero, Equivocator, LiarReducer,
+                                      SplitLiarReducer, Framer)}
+# the built-ins that take an option, and which (``--miner.rel``, ``--miner.fraction``)
+OPTIONS = {NoisyAverage: "rel", StaleAverage: "rel", Partial: "fraction"}
 
 
-def load_behaviour(spec: str) -> MinerBehaviour:
-    """A built-in name (``honest``, ``copycat``, ...) or ``module:Class``; ValueError with the choices otherwise."""
+def load_behaviour(spec: str, *, rel: float | None = None, fraction: float | None = None) -> MinerBehaviour:
+    """A built-in name (``honest``, ``copycat``, ...) or ``module:Class``; ValueError with the choices otherwise.
+
+    ``rel`` and ``fraction`` reach the built-ins that take them (:data:`OPTIONS`); None keeps their defaults.
+    """
     if spec in BUILTIN:
-        return BUILTIN[spec]()
+        cls = BUILTIN[spec]
+        options = {"rel": rel, "fraction": fraction}
+        option = OPTIONS.get(cls)
+        return cls(**{option: options[option]}) if option and options[option] is not None else cls()
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise ValueError(f"unknown behaviour {spec!r}: use one of {sorted(BUILTIN)} or module:Class")

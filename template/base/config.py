@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from template.base.behaviours import MinerBehaviour, load_behaviour
 from template.base.telemetry import WandbConfig, add_wandb_args
 from template.config import ChainArgs, add_chain_args, chain_args_from
 from template.training.cli import (
@@ -92,6 +93,13 @@ class MinerSettings:
 
     behaviour: str = _help("what this miner trains and publishes: a built-in name or module:Class "
                            "(see template/base/behaviours.py)", default="honest")
+    rel: float | None = _help("noise relative to the copied average's norm, for noisy-average and stale-average "
+                              "(default 0.15)", default=None)
+    fraction: float | None = _help("share of the inner steps a partial miner runs (default 0.5)", default=None)
+
+    def load(self) -> MinerBehaviour:
+        """The behaviour these settings name; ValueError for an unknown name or an option out of range."""
+        return load_behaviour(self.behaviour, rel=self.rel, fraction=self.fraction)
 
 
 @dataclass(frozen=True)
@@ -107,10 +115,13 @@ class ValidatorSettings:
     ema_alpha: float = _help("weight of the newest round in the score average", default=RewardConfig.ema_alpha)
     power: float = _help("weights are score ** power, normalized", default=RewardConfig.power)
     weights_every: int = _help("set weights every N scored rounds", default=1)
+    evidence_gate: bool = _help("pay a miner's improvement only once its evidence of training on its assigned data is "
+                                "significant (docs/validation.md: for models that memorize measurably)",
+                                default=RewardConfig.evidence_gate)
 
     @property
     def rewards(self) -> RewardConfig:
-        return RewardConfig(self.ema_alpha, self.power)
+        return RewardConfig(self.ema_alpha, self.power, evidence_gate=self.evidence_gate)
 
 
 @dataclass(frozen=True)
@@ -212,6 +223,8 @@ def add_miner_args(parser: argparse.ArgumentParser, behaviours: list[str]) -> No
     spec = _field(MinerSettings, "behaviour")
     group.add_argument("--miner.behaviour", dest="miner_behaviour", default=spec.default,
                        help=spec.metadata["help"].replace("a built-in name", ", ".join(behaviours)))
+    _add(group, "--miner.rel", MinerSettings, "rel", type=float)
+    _add(group, "--miner.fraction", MinerSettings, "fraction", type=float)
 
 
 def add_validator_args(parser: argparse.ArgumentParser) -> None:
@@ -223,3 +236,4 @@ def add_validator_args(parser: argparse.ArgumentParser) -> None:
     _add(group, "--validator.ema_alpha", ValidatorSettings, "ema_alpha", type=float)
     _add(group, "--validator.power", ValidatorSettings, "power", type=float)
     _add(group, "--validator.weights_every", ValidatorSettings, "weights_every", type=int)
+    _add(group, "--validator.evidence_gate", ValidatorSettings, "evidence_gate")

@@ -170,14 +170,16 @@ class Validator:
         contributed = self._contributed(pending)
         read = {hotkey: read_publication(fetched, self.peer.codec, shapes, self.peer.scope, contributed.get(hotkey))
                 for hotkey, fetched in publications.items() if not isinstance(fetched, str)}
-        accused = self._audit(pending, read)
-        coverage = self._coverage(pending)
+        accused, framed = self._audit(pending, read)
+        coverage = self._coverage(pending, framed)
         share = self._share_of_average(pending)
         block = self.ctx.chain.block()
-        candidates = []
+        candidates, binding = [], set()
         for hotkey in chosen:
             fetched, uid = publications[hotkey], miners[hotkey].uid
             problem = fetched if isinstance(fetched, str) else accused.get(hotkey) or read[hotkey].reason
+            if problem and not isinstance(fetched, str):
+                binding.add(hotkey)  # proven from what it signed: not a timeout or a fetch that failed
             if problem:
                 candidates.append(Candidate(hotkey, uid, None, fetch_error=problem, coverage=coverage.get(hotkey)))
                 continue
@@ -186,14 +188,13 @@ class Validator:
                                         share_of_average=share.get(hotkey, 0.0)))
         context = RoundContext(pending.round, pending.theta, pending.theta_hash, pending.averaged,
                                first_block=pending.round * self.ctx.clock.blocks_per_round, last_block=block)
-        verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline,
-                                     standing=self.book.standing)
+        verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline)
         scores = self.book.credit(pending.round, {v.hotkey: v.round_score() for v in verdicts})
         self.book.forget_except(r.hotkey for r in directory)
         self.book.save(self.book_path)
         self.scorer.save_history(self.history_path)
         self.rounds_scored += 1
-        self._report_scores(pending.round, verdicts, scores, time.monotonic() - started, fetch_s)
+        self._report_scores(pending.round, verdicts, scores, binding, time.monotonic() - started, fetch_s)
         if self.rounds_scored % max(1, self.settings.weights_every) == 0:
             self._set_weights(pending.round, directory)
 
@@ -227,11 +228,12 @@ class Validator:
         return {record.hotkey: commitment for peer_id, commitment in result.commitments.items()
                 if (record := pending.directory.get(peer_id)) is not None}
 
-    def _audit(self, pending: PendingRound, read: dict) -> dict[str, str]:
-        """hotkey → why the round's all-reduce convicts it (:func:`template.base.audit.audit_allreduce`)."""
+    def _audit(self, pending: PendingRound, read: dict) -> tuple[dict[str, str], dict[str, int]]:
+        """hotkey → why the round's all-reduce convicts it (:func:`template.base.audit.audit_allreduce`), and
+        hotkey → segments of it refused without proof."""
         result = pending.result
         if result is None:
-            return {}
+            return {}, {}
         peers = {record.hotkey: peer_id for peer_id in result.group if (record := pending.directory.get(peer_id))}
         segments = {peers[hotkey]: r.segments for hotkey, r in read.items()
                     if r.tensors is not None and hotkey in peers}
@@ -239,19 +241,22 @@ class Validator:
                                   self.peer.averaging_config.norm_clip_multiple)
         hotkeys = {peer_id: hotkey for hotkey, peer_id in peers.items()}
         self._audited = (outcome.segments_checked, outcome.segments_unchecked)
-        return {hotkeys[peer]: f"convicted by the all-reduce: {why}" for peer, why in outcome.accused.items()
-                if peer in hotkeys}
+        accused = {hotkeys[peer]: f"convicted by the all-reduce: {why}" for peer, why in outcome.accused.items()
+                   if peer in hotkeys}
+        return accused, {hotkeys[peer]: count for peer, count in outcome.framed.items() if peer in hotkeys}
 
-    def _coverage(self, pending: PendingRound) -> dict[str, float]:
-        """hotkey → the share of the round's averaged segments that include its contribution (only known when the
-        validator's own all-reduce succeeded; a miner missing from the group then has coverage 0)."""
+    def _coverage(self, pending: PendingRound, framed: dict[str, int]) -> dict[str, float]:
+        """hotkey → the share of the round's averaged segments that include its contribution, counting the segments
+        an owner refused without proof as included (only known when the validator's own all-reduce succeeded; a
+        miner missing from the group then has coverage 0)."""
         result = pending.applied
         if result is None:
             return {}
+        segments = len(result.audit.get("segments", {})) or 1
         coverage = {record.hotkey: 0.0 for record in pending.directory}
         for peer_id, fraction in result.coverage.items():
             if (record := pending.directory.get(peer_id)) is not None:
-                coverage[record.hotkey] = fraction
+                coverage[record.hotkey] = min(1.0, fraction + framed.get(record.hotkey, 0) / segments)
         return coverage
 
     def _share_of_average(self, pending: PendingRound) -> dict[str, float]:
@@ -293,13 +298,16 @@ class Validator:
 
     # ------------------------------------------------------------------------------------------ reporting
 
-    def _report_scores(self, round: int, verdicts: list[Verdict], scores: dict[str, float], seconds: float,
-                       fetch_s: float) -> None:
+    def _report_scores(self, round: int, verdicts: list[Verdict], scores: dict[str, float], binding: set[str],
+                       seconds: float, fetch_s: float) -> None:
+        """One ``scored`` event, wandb scalars and a log line per miner; ``binding`` are the miners whose reason
+        rests on their own signatures (publication ≠ contribution, convicted by the all-reduce)."""
         rows = []
         for v in verdicts:
             record = self.book.miners.get(v.hotkey)
             rows.append(dict(uid=v.uid, hotkey=v.hotkey, score=scores.get(v.hotkey, 0.0), quality=v.quality,
                              ema=record.ema if record else 0.0, z=record.z if record else 0.0, reason=v.reason,
+                             binding=v.hotkey in binding,
                              coverage=v.coverage, norm=v.norm,
                              gain_general=v.gains.general if v.gains else None,
                              evidence=v.gains.evidence if v.gains else None))

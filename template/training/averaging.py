@@ -188,7 +188,10 @@ class PseudoGradientAverager:
         numel = sum(shape.numel() for shape in self.shapes)
         self.buffer = ContributionBuffer(SegmentLayout(numel, codec.segment_values), codec)
         self._output = torch.zeros(numel, dtype=torch.float32)
-        self._input = torch.zeros(1 if config.auxiliary else self.buffer.nbytes, dtype=torch.uint8)
+        # auxiliaries too: hivemind splits the vector among owners in proportion to the *total size of the averaged
+        # tensors*, rounded; a 1-byte input on the auxiliary made it compute other segment ranges than the senders
+        # (measured: 91 % of the average received, 2 owners "failed", with 13 segments and the dense codecs)
+        self._input = torch.zeros(self.buffer.nbytes, dtype=torch.uint8)
         self._closed = False
         self._averager = CheckedAverager(
             [self._output, self._input],  # hivemind moves them to shared memory: the child process reads/writes here

@@ -19,7 +19,7 @@ Nothing here knows about hivemind or the chain: it looks at tensors and numbers 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,26 +107,41 @@ class Submission:
     hotkey: str
     sketch: torch.Tensor
     published_at_block: int
-    evidence: float  # how much more Δ helps the miner's assigned data than other data (ties between copies)
+    announced_tokens: bool = True  # it announced a token weight > 0 to the round's group (it claims to have trained)
 
 
-def find_copies(submissions: Sequence[Submission], threshold: float) -> dict[str, str]:
+# |z| of the paired test (find_copies) from which it alone decides which of two near-copies is the original.
+COPY_DECISIVE_Z = 2.0
+
+
+def find_copies(submissions: Sequence[Submission], threshold: float,
+                paired_z: Callable[[Submission, Submission], float]) -> dict[str, str]:
     """``{copier: original}`` for every pair of near-identical submissions of one round.
 
-    The copier is the later publisher (by the block the miner signed; the validator refuses blocks outside the
-    round's publication window, so a claim can only be moved within it). Submissions signed at the same block are
-    told apart by the evidence of training on assigned data, which a copier cannot fake: the Δ it copied was
-    trained on someone else's assignment. When that is equal too, both are flagged.
+    First, a miner that announced no tokens to the round's group declared that it trained nothing: it cannot be
+    the author of an update its twin announced tokens for. Then ``paired_z(a, b)``, the significance of the shared
+    update helping a's assigned data more than b's (positive: a trained it), which a copier cannot fake, since the Δ
+    it copied was trained on someone else's assignment: when it is decisive (``COPY_DECISIVE_Z``) it decides.
+    Otherwise the earlier signature does — a copy that leaked before the original was committed can be signed as
+    early as the original, or a block earlier, which is why the block comes after the paired test — then the sign of
+    ``paired_z``. When nothing tells them apart, both are flagged.
     """
     copies: dict[str, str] = {}
     for i, a in enumerate(submissions):
         for b in submissions[i + 1:]:
             if cosine(a.sketch, b.sketch) < threshold:
                 continue
-            if a.published_at_block != b.published_at_block:
+            if a.announced_tokens != b.announced_tokens:
+                original, copier = (a, b) if a.announced_tokens else (b, a)
+                copies.setdefault(copier.hotkey, original.hotkey)
+                continue
+            z = paired_z(a, b)
+            if abs(z) >= COPY_DECISIVE_Z:
+                original, copier = (a, b) if z > 0 else (b, a)
+            elif a.published_at_block != b.published_at_block:
                 original, copier = (a, b) if a.published_at_block < b.published_at_block else (b, a)
-            elif a.evidence != b.evidence:
-                original, copier = (a, b) if a.evidence > b.evidence else (b, a)
+            elif z != 0:
+                original, copier = (a, b) if z > 0 else (b, a)
             else:
                 copies[a.hotkey], copies[b.hotkey] = b.hotkey, a.hotkey
                 continue

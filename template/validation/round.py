@@ -9,8 +9,9 @@ Order of the checks (each failing miner gets a round score of 0 and the first re
 5. not a replay of an earlier round's Δ or Δ̄, and not the round's own Δ̄ re-published (when the miner did not
    contribute most of Δ̄ itself);
 6. the loss measures (:mod:`~template.validation.scoring`): the general improvement and the evidence of training on
-   the assigned data, against the mean of the round's other helpful submissions as the reference update;
-   then copies between miners of this round (the later publisher is the copier);
+   the assigned data, against the round's Δ̄ as the reference update (θ_r itself when the validator holds no Δ̄);
+   then copies between miners of this round (a paired test on a larger sample says which of two near-copies was
+   trained on its own data; the earlier signature decides when it cannot);
 7. quality = general improvement × coverage, the fraction of the round's averaged segments that include the
    miner's contribution (as the validator saw the all-reduce): a Δ that did not reach the shared model earned nothing
    for it, whatever it would have been worth. The evidence goes with the quality to the score book
@@ -50,13 +51,16 @@ from template.validation.scoring import (
     ScoringConfig,
     WindowSampler,
     loss_gains,
-    mean_over,
+    mean_update,
+    paired_edge_z,
     update_losses,
 )
 
 Tensors = Sequence[torch.Tensor]
 # A miner's own share of Δ̄ above which Δ̄ is mostly its own Δ (then similarity to Δ̄ proves nothing).
 OWN_SHARE_OF_AVERAGE = 0.5
+# Near-copies are told apart on this many times a round's evidence sample (per miner of the pair).
+COPY_SAMPLE_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -115,12 +119,9 @@ class RoundScorer:
         self.history: dict[str, torch.Tensor] = {}  # "round|label" -> sketch
 
     def score(self, context: RoundContext, candidates: Sequence[Candidate],
-              out_of_time: Callable[[], bool] = lambda: False,
-              standing: Callable[[str, float, float], float] | None = None) -> list[Verdict]:
+              out_of_time: Callable[[], bool] = lambda: False) -> list[Verdict]:
         """A verdict per candidate, in the candidates' order. ``out_of_time`` is polled before each loss probe;
-        candidates not probed in time get the reason "not evaluated in time" and score 0 (rotation retries them).
-        ``standing(hotkey, evidence, se)`` is a miner's evidence over the rounds (the score book's); near-copies
-        signed at the same block are told apart by it (this round's significance alone when it is None)."""
+        candidates not probed in time get the reason "not evaluated in time" and score 0 (rotation retries them)."""
         reasons: dict[str, str] = {}
         for c in candidates:
             if reason := self._basic_problem(context, c):
@@ -142,14 +143,20 @@ class RoundScorer:
                   and cosine(sketch, average_sketch) >= self.integrity.copy_cosine):
                 reasons[c.hotkey] = "re-publishes the group's average Δ̄"
 
-        gains = self._probe(context, [c for c in valid if c.hotkey not in reasons], sketches, reasons, out_of_time)
-        def evidence(hotkey: str) -> float:
-            g = gains[hotkey]
-            return standing(hotkey, g.evidence, g.evidence_se) if standing is not None else g.z
+        probed = [c for c in valid if c.hotkey not in reasons]
+        gains, helpful = self._probe(context, probed, reasons, out_of_time)
+        submissions = [Submission(c.hotkey, sketches[c.hotkey], c.published_at_block, c.share_of_average > 0)
+                       for c in probed if c.hotkey in gains]
+        by_hotkey = {c.hotkey: c for c in probed}
 
-        probed = [Submission(c.hotkey, sketches[c.hotkey], c.published_at_block, evidence(c.hotkey))
-                  for c in valid if c.hotkey in gains]
-        for copier, original in find_copies(probed, self.integrity.copy_cosine).items():
+        def paired(a: Submission, b: Submission) -> float:
+            if out_of_time():
+                return 0.0  # no time left for the paired test: the signatures' blocks decide
+            others = [by_hotkey[h].tensors for h in helpful
+                      if h not in (a.hotkey, b.hotkey) and cosine(sketches[h], a.sketch) < self.integrity.copy_cosine]
+            return self._paired_z(context, by_hotkey[a.hotkey].tensors, others, a.hotkey, b.hotkey)
+
+        for copier, original in find_copies(submissions, self.integrity.copy_cosine, paired).items():
             reasons[copier] = f"copy of {original}'s Δ"
 
         self._remember(context, sketches, average_sketch)
@@ -174,43 +181,47 @@ class RoundScorer:
                     f"[{context.first_block}, {context.last_block}]")
         return check_tensors(c.tensors, self.shapes)
 
-    def _probe(self, context: RoundContext, candidates: Sequence[Candidate], sketches: Mapping[str, torch.Tensor],
-               reasons: dict[str, str], out_of_time: Callable[[], bool]) -> dict[str, LossGains]:
-        """The loss measures of every candidate (:mod:`~template.validation.scoring`). First each update on its
-        windows (its general improvement decides whether it may serve in others' references), then each
-        candidate's reference on the same windows: 1 + 2N model loads, 4 × ``eval_windows`` windows per miner."""
+    def _probe(self, context: RoundContext, candidates: Sequence[Candidate], reasons: dict[str, str],
+               out_of_time: Callable[[], bool]) -> tuple[dict[str, LossGains], list[str]]:
+        """The loss measures of every candidate (:mod:`~template.validation.scoring`), against Δ̄ as the reference
+        update when the validator holds it (θ_r itself when not), and the hotkeys of the helpful ones (general > 0).
+        θ_r and the reference are loaded once each, on every window any candidate needs, then each candidate's Δ
+        once: 2 + N model loads, 2 × ``eval_windows`` windows per miner (a load of a large model costs seconds)."""
         if not candidates:
-            return {}
+            return {}, []
         n, eta = self.scoring.eval_windows, self.scoring.step_scale
         pool = self.sampler.unassigned(context.round, n)
-        baseline = update_losses(self.probe, context.theta, None, pool, eta)
-        windows: dict[str, tuple[list[int], list[int]]] = {}
-        after: dict[str, dict[int, float]] = {}
-        for c in candidates:
-            if out_of_time():
-                reasons[c.hotkey] = "not evaluated in time"
-                continue
-            assigned, excluded = self.sampler.assigned(c.hotkey, context.round, n)
-            windows[c.hotkey] = assigned, [w for w in pool if w not in excluded][:n]
-            after[c.hotkey] = update_losses(self.probe, context.theta, c.tensors, [*assigned, *windows[c.hotkey][1]],
-                                            eta)
-        helpful = [c for c in candidates if c.hotkey in after
-                   and mean_over(baseline, windows[c.hotkey][1]) > mean_over(after[c.hotkey], windows[c.hotkey][1])]
+        samples = {c.hotkey: self.sampler.assigned(c.hotkey, context.round, n) for c in candidates}
+        every = [*pool, *sorted({w for sample, _ in samples.values() for w in sample})]
+        baseline = update_losses(self.probe, context.theta, None, every, eta)
+        reference = baseline if context.averaged is None else \
+            update_losses(self.probe, context.theta, context.averaged, every, eta)
         gains = {}
         for c in candidates:
-            if c.hotkey not in after:
-                continue
             if out_of_time():
                 reasons[c.hotkey] = "not evaluated in time"
                 continue
-            others = [o.tensors for o in helpful if o.hotkey != c.hotkey
-                      and cosine(sketches[o.hotkey], sketches[c.hotkey]) < self.integrity.copy_cosine]
-            mean = [torch.stack([t[i].float() for t in others]).mean(0) for i in range(len(c.tensors))] if others \
-                else None
-            assigned, unassigned = windows[c.hotkey]
-            reference = update_losses(self.probe, context.theta, mean, [*assigned, *unassigned], eta)
-            gains[c.hotkey] = loss_gains(after[c.hotkey], reference, baseline, assigned, unassigned, self.scoring)
-        return gains
+            assigned, excluded = samples[c.hotkey]
+            unassigned = [w for w in pool if w not in excluded][:n]
+            after = update_losses(self.probe, context.theta, c.tensors, [*assigned, *unassigned], eta)
+            gains[c.hotkey] = loss_gains(after, reference, baseline, assigned, unassigned, self.scoring)
+        return gains, [hotkey for hotkey, g in gains.items() if g.general > 0]
+
+    def _paired_z(self, context: RoundContext, update: Tensors, others: Sequence[Tensors], a: str, b: str) -> float:
+        """Which of two near-identical submissions was trained, and which copied: ``update`` (either of them — they
+        are the same model) against the mean of the round's other helpful updates, per window, on a fresh sample of
+        ``COPY_SAMPLE_FACTOR`` × ``eval_windows`` of a's assigned windows and as many of b's. The update was trained
+        on one of the two assignments, so its edge is larger there: the result is the significance of
+        (mean edge on a's windows − mean edge on b's), positive when a is the original. Paired on one model and one
+        reference, and on a larger sample than a round's evidence, it tells them apart where the two miners'
+        separate evidence (each ± its own noise) often cannot; it costs two model loads per pair found."""
+        count, eta = COPY_SAMPLE_FACTOR * self.scoring.eval_windows, self.scoring.step_scale
+        windows_a = self.sampler.assigned(a, context.round, count, salt="copy")[0]
+        windows_b = self.sampler.assigned(b, context.round, count, salt="copy")[0]
+        every = [*windows_a, *windows_b]
+        after = update_losses(self.probe, context.theta, update, every, eta)
+        reference = update_losses(self.probe, context.theta, mean_update(others), every, eta)
+        return paired_edge_z(after, reference, windows_a, windows_b, self.scoring)
 
     def _remember(self, context: RoundContext, sketches: Mapping[str, torch.Tensor],
                   average_sketch: torch.Tensor | None) -> None:

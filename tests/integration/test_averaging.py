@@ -26,10 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 from hivemind.utils import get_dht_time
-from template.training.codecs import get_codec
 
+from template.base.audit import audit_allreduce
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
+from template.training.allreduce_runner import AllReduceFaults
 from template.training.averaging import AveragingConfig, AveragingResult, PseudoGradientAverager
+from template.training.codecs import get_codec
 from template.training.part_reducer import CheckedPartReducer, Contribution
 from template.training.reduction import WEIGHT_CAP_MULTIPLE, SegmentInput
 from tests.integration.p2p_helpers import AVERAGER_CHILD_PREAMBLE
@@ -66,13 +68,15 @@ def dhts():
 
 
 @contextmanager
-def averagers(nodes, configs, state_providers=None):
+def averagers(nodes, configs, state_providers=None, faults=None):
     state_providers = state_providers or [None] * len(configs)
+    faults = faults or [None] * len(configs)
     peers = []
     try:
-        for node, config, provider in zip(nodes, configs, state_providers, strict=True):
+        for node, config, provider, fault in zip(nodes, configs, state_providers, faults, strict=True):
             codec = get_codec(config.compression, segment_values=SEGMENT_VALUES)
-            peers.append(PseudoGradientAverager(node, SHAPES, config, codec=codec, state_provider=provider))
+            peers.append(PseudoGradientAverager(node, SHAPES, config, codec=codec, state_provider=provider,
+                                                faults=fault))
         yield peers
     finally:
         for peer in peers:
@@ -226,6 +230,42 @@ def test_auxiliary_peer_receives_the_same_average(dhts):
     # it sent placeholders only: a few bytes per part, nothing like its share of the vector
     assert results[2].bytes_sent < 0.01 * sum(s.numel() for s in SHAPES)
     assert results[2].bytes_received >= sum(s.numel() for s in SHAPES)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lie", [None, "all", "some"])
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owner(dhts, codec, lie):
+    """Two contributors and an auxiliary (the validator's view). Honest owners: the validator recomputes every
+    averaged segment bit for bit from the contributions (what the publications carry) and convicts nobody. An owner
+    that returns the negated average to every member: the members agree on the wrong bytes (they cannot check an
+    average), and the recomputation convicts that owner. An owner that lies to only some: the members' signed
+    certificates conflict, every member refuses the round (θ unchanged, never a mix) and the owner is convicted.
+    (This test found auxiliaries computing other segment ranges than the senders: template/training/averaging.py.)"""
+    config = fast_config(compression=codec)
+    configs = [config, config, dataclasses.replace(config, auxiliary=True)]
+    faults = [None, AllReduceFaults(lie=lie), None]
+    deltas = [random_deltas(0), random_deltas(1)]
+    with averagers(dhts, configs, faults=faults) as peers:
+        contributions = [peer.contribute(delta) for peer, delta in zip(peers, deltas, strict=False)]
+        results = average_all(peers, contributions + [None], WEIGHTS[:2] + [0.0])
+        ids = [peer.peer_id for peer in peers]
+        codec = peers[2].codec
+    validator = results[2]
+    published = {ids[i]: contributions[i].segments for i in range(2)}
+    outcome = audit_allreduce(validator, published, codec, config.prefix, 0, config.norm_clip_multiple)
+    segments = len(contributions[0].segments)
+    if lie == "some":
+        assert not any(r.ok for r in results), [r.reason for r in results]
+        assert set(outcome.accused) == {ids[1]} and "different shares" in outcome.accused[ids[1]], outcome
+        return
+    assert all(r.ok for r in results) and len({digest(r.averaged) for r in results}) == 1, [r.reason for r in results]
+    assert outcome.segments_checked == segments and outcome.segments_unchecked == 0, outcome
+    if lie is None:
+        assert outcome.accused == {} and outcome.framed == {}, outcome
+        assert max_error(validator.averaged, weighted_mean(deltas, WEIGHTS[:2])) <= codec_tolerance(codec, deltas)
+    else:
+        assert set(outcome.accused) == {ids[1]} and "wrong average" in outcome.accused[ids[1]], outcome
 
 
 VICTIM = AVERAGER_CHILD_PREAMBLE + textwrap.dedent(

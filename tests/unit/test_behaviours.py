@@ -15,10 +15,13 @@ from template.base.behaviours import (
     LiarReducer,
     MinerBehaviour,
     Noise,
+    NoisyAverage,
     Overfitter,
+    Partial,
     Scaled,
     SplitLiarReducer,
     Stale,
+    StaleAverage,
     TwoFaced,
     TwoFacedZero,
     load_behaviour,
@@ -95,6 +98,41 @@ def test_copycat_contributes_the_last_average_it_received_with_small_noise():
         assert torch.nn.functional.cosine_similarity(copy.flatten(), real.flatten(), dim=0) > 0.999
 
 
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
+def test_noisy_average_runs_one_step_and_contributes_the_last_average_plus_relative_noise():
+    copier, averaged = NoisyAverage(rel=0.15, seed=1), [torch.randn(200, 50), torch.randn(3000)]
+    assert copier.plan(plain_plan(inner_steps=20)).max_steps == 1  # takes part with tokens
+    own = deltas(0)
+    assert copier.contribution(0, own) is own  # no average yet: its own one-step Δ
+    copier.after_round(outcome(0, own, averaged))
+    for copy, real in zip(copier.contribution(1, own), averaged, strict=True):
+        assert torch.isclose((copy - real).norm(), 0.15 * real.norm(), rtol=1e-5)
+        assert abs(cosine(copy, real) - 1 / (1 + 0.15**2) ** 0.5) < 0.01  # ≈ 0.989
+
+
+def test_stale_average_contributes_the_average_of_two_rounds_before_the_freshest():
+    copier = StaleAverage(rel=0.0)
+    averages = [deltas(10 + r) for r in range(4)]
+    for r, averaged in enumerate(averages):
+        copier.after_round(outcome(r, deltas(r), averaged))
+    contributed = copier.contribution(4, deltas(4))
+    assert all(torch.equal(c, a) for c, a in zip(contributed, averages[1], strict=True))  # rounds 3 − 2 = 1
+
+
+def test_partial_runs_its_fraction_of_the_inner_steps_and_refuses_nonsense():
+    assert Partial(0.1).plan(plain_plan(inner_steps=20)).max_steps == 2
+    assert Partial(0.5).plan(plain_plan(inner_steps=20)).max_steps == 10
+    assert Partial(0.01).plan(plain_plan(inner_steps=20)).max_steps == 1
+    for bad in (0.0, 1.5, -1.0):
+        with pytest.raises(ValueError):
+            Partial(bad)
+    with pytest.raises(ValueError):
+        NoisyAverage(rel=-0.1)
+
+
 def test_two_faced_miners_publish_their_delta_and_contribute_something_else():
     delta = deltas(0)
     for behaviour, factor in ((TwoFaced(), -1.0), (TwoFacedZero(), 1e-6)):
@@ -116,9 +154,13 @@ class Custom(MinerBehaviour):
 
 
 def test_behaviours_load_by_name_or_module_class_and_refuse_anything_else():
-    assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "overfitter", "copycat", "twofaced",
-                            "twofaced-zero", "equivocator", "liar-reducer", "liar-reducer-some", "framer"}
+    assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "overfitter", "copycat", "noisy-average",
+                            "stale-average", "partial", "twofaced", "twofaced-zero", "equivocator", "liar-reducer",
+                            "liar-reducer-some", "framer"}
     assert isinstance(load_behaviour("copycat"), Copycat)
+    assert load_behaviour("noisy-average", rel=0.3).rel == 0.3 and load_behaviour("stale-average").rel == 0.15
+    assert load_behaviour("partial", fraction=0.1, rel=0.3).fraction == 0.1
+    assert isinstance(load_behaviour("honest", rel=0.3, fraction=0.1), Honest)  # options reach only who takes them
     assert isinstance(load_behaviour(f"{__name__}:Custom"), Custom)
     for bad in ("cheater", "nosuchmodule:X", f"{__name__}:Nope", "torch:Tensor"):
         with pytest.raises(ValueError):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ("convergence", "allreduce", "round_overhead", "bytes_per_round", "validator_cost")
+BENCHMARKS = ("convergence", "allreduce", "round_overhead", "bytes_per_round", "validator_cost", "codec_speed")
 CHANCE_LOSS = math.log(257)  # uniform over the byte vocabulary: θ_0's loss is about this
 
 
@@ -152,3 +152,18 @@ def test_validator_cost_quick(outputs):
     localnet = result["localnet"]
     assert 0 < localnet["scoring_budget_s"] < localnet["round_s"]
     assert localnet["fits_one_round"] == (localnet["tiny_16_miners_s"] <= localnet["scoring_budget_s"])
+
+
+@pytest.mark.timeout(180)
+def test_codec_speed_quick(outputs):
+    result = outputs["codec_speed"]
+    check_common(result, "codec_speed")
+    codecs = {row["codec"]: row for row in result["codecs"]}
+    assert set(codecs) == {"none", "fp16", "int8", "sparse"}
+    for row in codecs.values():
+        assert all(finite(s) and s > 0 for s in row["seconds_at_total"].values()), row
+        # a butterfly peer sends (N−1)/N of its contribution and of the averaged segments (N = 4 here)
+        expected = 0.75 * (row["contribution_bits_per_param"] + row["averaged_bits_per_param"])
+        assert row["butterfly_bits_per_param_sent"] == pytest.approx(expected, rel=1e-6), row
+    assert codecs["none"]["contribution_bits_per_param"] == 32 and codecs["fp16"]["contribution_bits_per_param"] == 16
+    assert codecs["sparse"]["butterfly_bits_per_param_sent"] <= 2.0  # issue 13: ≤ 2 bits per parameter per round

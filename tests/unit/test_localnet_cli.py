@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from template.base.config import NeuronConfig
 from template.localnet.network import (
     NETUID,
     RUN_MARKER_ENV,
@@ -154,3 +155,14 @@ def test_with_dashboard_each_neuron_is_given_its_own_port_on_its_command_line(tm
     assert (validator.dashboard_port, validator.dashboard_ip) == (45678, "127.0.0.1")
     miner = load_script("miner").build_parser().parse_args(neuron_command(config, MINER, url, tmp_path)[2:])
     assert miner.dashboard_port == 0  # no port given: no dashboard
+
+
+def test_the_miner_takes_behaviour_options_and_refuses_bad_ones(tmp_path, capsys):
+    miner = load_script("miner")
+    args = miner.build_parser().parse_args(
+        ["--netuid", "3", "--miner.behaviour", "noisy-average", "--miner.rel", "0.3"])
+    assert NeuronConfig.from_args(args).miner.load().rel == 0.3
+    with pytest.raises(SystemExit) as exit_info:
+        miner.main(["--netuid", "3", "--miner.behaviour", "partial", "--miner.fraction", "1.5",
+                    "--neuron.full_path", str(tmp_path)])
+    assert exit_info.value.code == 2 and "fraction of inner steps must be within (0, 1]" in capsys.readouterr().err

@@ -74,17 +74,30 @@ def test_sketch_cosine_tracks_the_full_vector():
     assert torch.equal(Sketch(shapes, 4096, seed=7).of(a), sketch.of(a))  # the same seed picks the same coordinates
 
 
-def test_find_copies_flags_the_later_publisher_then_the_weaker_evidence():
+def test_find_copies_trusts_a_decisive_paired_test_then_the_earlier_signature():
     v = torch.randn(64)
-    original = Submission("orig", v, published_at_block=100, evidence=0.05)
-    later = Submission("late", v + 1e-4 * torch.randn(64), published_at_block=103, evidence=0.2)
-    assert find_copies([later, original], 0.995) == {"late": "orig"}
-    same_block = Submission("same", v.clone(), published_at_block=100, evidence=0.01)
-    assert find_copies([original, same_block], 0.995) == {"same": "orig"}
-    twin = Submission("twin", v.clone(), published_at_block=100, evidence=0.05)
-    assert find_copies([original, twin], 0.995) == {"orig": "twin", "twin": "orig"}
-    unrelated = Submission("other", torch.randn(64), published_at_block=90, evidence=0.0)
-    assert find_copies([original, unrelated], 0.995) == {}
+    original = Submission("orig", v, published_at_block=100)
+    early_copy = Submission("early", v + 1e-4 * torch.randn(64), published_at_block=99)
+    trained_by = {"orig": 1.0, "early": -1.0, "late": -1.0, "same": -1.0, "twin": 1.0}
+
+    def paired(strength: float):
+        return lambda a, b: strength * (trained_by[a.hotkey] - trained_by[b.hotkey]) / 2
+
+    # a leaked copy signed a block earlier than its victim: a decisive paired test still names the copier
+    assert find_copies([early_copy, original], 0.995, paired(3.0)) == {"early": "orig"}
+    # an indecisive one leaves it to the block
+    later = Submission("late", v + 1e-4 * torch.randn(64), published_at_block=103)
+    assert find_copies([later, original], 0.995, paired(0.5)) == {"late": "orig"}
+    assert find_copies([early_copy, original], 0.995, paired(0.5)) == {"orig": "early"}
+    same_block = Submission("same", v.clone(), published_at_block=100)
+    assert find_copies([original, same_block], 0.995, paired(0.5)) == {"same": "orig"}  # then its sign
+    twin = Submission("twin", v.clone(), published_at_block=100)
+    assert find_copies([original, twin], 0.995, paired(1.0)) == {"orig": "twin", "twin": "orig"}
+    unrelated = Submission("other", torch.randn(64), published_at_block=90)
+    assert find_copies([original, unrelated], 0.995, paired(3.0)) == {}
+    # a twin that announced no tokens declared it trained nothing: it is the copy, whatever the rest says
+    idle = Submission("idle", v.clone(), published_at_block=90, announced_tokens=False)
+    assert find_copies([idle, original], 0.995, paired(-3.0)) == {"idle": "orig"}
     assert find_replays(v, [("x of round 3", torch.randn(64)), ("y of round 2", v)], 0.995) == "y of round 2"
     assert find_replays(v, [("x", torch.randn(64))], 0.995) is None
 
@@ -137,7 +150,10 @@ def test_score_book_rotation_persistence_and_forgetting(tmp_path):
 
 
 def test_credit_gates_quality_by_evidence_accumulated_over_rounds():
-    book = ScoreBook(RewardConfig(evidence_decay=0.5, gate_start=1.0, gate_width=2.0))
+    ungated = ScoreBook(RewardConfig())  # the default: the evidence is accumulated and reported, quality is paid
+    assert ungated.credit(0, {"copier": RoundScore(5.0, (0.0, 0.002))})["copier"] == 5.0
+    assert ungated.miners["copier"].z == 0.0
+    book = ScoreBook(RewardConfig(evidence_decay=0.5, evidence_gate=True, gate_start=1.0, gate_width=2.0))
     steady = RoundScore(1.0, (0.02, 0.01))  # z = 2 in one round
     assert book.credit(0, {"honest": steady})["honest"] == pytest.approx(0.5)  # gate((2 - 1) / 2)
     # evidence adds up (Stouffer, decayed): S = 0.5·2 + 2, Q = 0.25 + 1 → z = 2·1.5/√1.25 = 2.68
@@ -151,7 +167,7 @@ def test_credit_gates_quality_by_evidence_accumulated_over_rounds():
     # each round counts as one standardized observation: a very precise round of no evidence yet, or a large but
     # noisy one, does not bury the good rounds that follow
     for first in ((-0.0008, 0.002), (-0.14, 0.1)):
-        late = ScoreBook(RewardConfig(evidence_decay=0.5, gate_start=1.0, gate_width=2.0))
+        late = ScoreBook(RewardConfig(evidence_decay=0.5, evidence_gate=True, gate_start=1.0, gate_width=2.0))
         late.credit(0, {"late": RoundScore(1.0, first)})
         credits = [late.credit(r, {"late": steady})["late"] for r in (1, 2, 3)]
         assert credits[-1] > 0.7, (first, credits)

@@ -1,0 +1,103 @@
+"""One small network of real neuron processes for the adversarial tests: a mock chain served over loopback, one
+validator and one miner process per behaviour, run until the validator has judged a given number of rounds.
+
+Each adversarial test module runs *one* such network with many attackers in it (one network per attacker would cost
+minutes each), then asserts on what the validator saw: its ``scored`` and ``weights`` events.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from template.chain.mock import MockSubstrate
+from template.chain.mock_server import MockChainServer
+from template.chain.wallets import create_wallet
+from tests.integration.neuron_processes import (
+    REPO,
+    events,
+    neuron_command,
+    require_alive,
+    start_process,
+    stop_processes,
+    wait_until,
+)
+
+
+@dataclass(frozen=True)
+class NetworkSettings:
+    netuid: int
+    seconds_per_block: float
+    blocks_per_round: int
+    tempo: int
+    judged_rounds: int  # the validator's weights count once it has scored this many consecutive rounds
+    run_args: tuple[str, ...]  # the run's flags, the same for every neuron
+
+
+class AdversarialNetwork:
+    """Context manager: registers every neuron on a fresh mock chain, starts them, stops them all on exit.
+
+    ``miners`` maps a wallet name to the miner's own flags (``--miner.behaviour ...`` and its options)."""
+
+    def __init__(self, tmp: Path, settings: NetworkSettings, miners: dict[str, tuple[str, ...]]) -> None:
+        self.tmp = tmp
+        self.settings = settings
+        self.miners = miners
+        self.mock = MockSubstrate()
+        self.mock.create_subnet(settings.netuid, tempo=settings.tempo, weights_rate_limit=2, serving_rate_limit=0)
+        wallets = {name: create_wallet(name, "default", tmp / "wallets") for name in ("validator", *miners)}
+        self.uids = {name: self.mock.register(settings.netuid, w.hotkey.ss58_address, w.coldkeypub.ss58_address,
+                                              1000.0 if name == "validator" else 0.0)
+                     for name, w in wallets.items()}
+        (tmp / "leak").mkdir(exist_ok=True)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", DILOCO_LEAK_DIR=str(tmp / "leak"), PYTHONPATH=str(REPO))
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.server = MockChainServer(self.mock, seconds_per_block=settings.seconds_per_block)
+
+    def __enter__(self) -> AdversarialNetwork:
+        self.server.__enter__()
+        try:
+            for name, extra in self.miners.items():
+                self.processes[name] = self._start("miner", name, *extra)
+            self.processes["validator"] = self.start_validator()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            stop_processes(list(self.processes.values()), grace_s=5)  # clean stops are tested elsewhere
+        finally:
+            self.server.__exit__(None, None, None)
+
+    def _start(self, script: str, name: str, *extra: str) -> subprocess.Popen:
+        s = self.settings
+        command = neuron_command(script, name, self.tmp, self.server.url, s.netuid, s.blocks_per_round, *s.run_args,
+                                 *extra)
+        return start_process(command, self.tmp / f"{name}.log", self.env)
+
+    def start_validator(self) -> subprocess.Popen:
+        return self._start("validator", "validator")
+
+    def validator_events(self, kind: str) -> list[dict]:
+        return [e for e in events(self.tmp, "validator") if e["event"] == kind]
+
+    def judged_weights(self, timeout: float) -> dict:
+        """The first successful weights event once the validator has scored ``judged_rounds`` rounds (counted from
+        the first round it scored); fails at once if a neuron exits."""
+        def judged() -> list[dict]:
+            require_alive(self.processes, self.tmp)
+            scored = self.validator_events("scored")
+            first = scored[0]["round"] if scored else 10**9
+            return [e for e in self.validator_events("weights")
+                    if e["ok"] and e["round"] >= first + self.settings.judged_rounds - 1]
+
+        return wait_until(judged, timeout, f"weights after {self.settings.judged_rounds} rounds")[0]
+
+
+def share(weights: dict[int, float], uids: dict[str, int], names) -> float:
+    """The part of ``weights`` that goes to the miners ``names``."""
+    return sum(weights.get(uids[name], 0.0) for name in names)
