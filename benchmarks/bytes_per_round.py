@@ -37,7 +37,7 @@ from benchmarks.common import (
 
 log = logging.getLogger("benchmarks.bytes_per_round")
 
-BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 256}
+BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 256}  # dense codecs: the averaged bytes are the same
 REFERENCE_H = (50, 100, 500)
 
 
@@ -61,6 +61,9 @@ def measure_codec(codec: str, peers: int, peer_args: list[str], timeout_s: float
         per_round.append(dict(round=r, peers_ok=len(sent), bytes_sent_mean=sum(sent) / len(sent) if sent else None,
                               bytes_sent_max=max(sent, default=None), bytes_sent_min=min(sent, default=None),
                               group_size=max((rep["group_size"] for rep in reports), default=0)))
+    for row in per_round:  # every peer that took the step must hold the same θ
+        hashes = {rep["theta_hash"] for rep in run.reports(row["round"]) if rep["allreduce_ok"]}
+        row["theta_identical"] = len(hashes) == 1
     ok_means = [row["bytes_sent_mean"] for row in per_round if row["peers_ok"] == peers]
     params = [event.get("params") for event in run.ready.values()]
     return dict(codec=codec, finished=run.finished, errors=run.errors, seconds=round(run.seconds, 1),
@@ -75,6 +78,24 @@ def analytic(params: int, peers: int, h_values: list[int]) -> dict[str, Any]:
     return dict(params=params, peers=peers, diloco_bytes=diloco, dp_float32_bytes=dp,
                 dp_over_diloco={f"H{h}": {c: h * butterfly_bytes(params, peers, 4.0) / b for c, b in diloco.items()}
                                 for h in h_values})
+
+
+def sparse_bounds(codec_name: str, params: int, peers: int) -> dict[str, float]:
+    """Bits per parameter a butterfly peer sends per round with a sparse codec (default settings): (N−1)/N × (its
+    contribution + the averaged segments it serves). The contribution's size is exact; the averaged segments hold the
+    union of the N supports: at least one support (every peer chose the same entries), at most N (disjoint)."""
+    from template.training.codecs import get_codec, segment_slices
+
+    codec = get_codec(codec_name)
+    settings, share = codec.settings, (peers - 1) / peers
+    sizes = [s.stop - s.start for s in segment_slices(params, codec.segment_values)]
+    contribution = 8 * sum(codec.encoded_size(n) for n in sizes) / params
+
+    def sent(union_density: float) -> float:
+        return share * (contribution + min(16.0, settings.sum_bits_per_value(union_density)))
+
+    return dict(contribution_bits_per_param=contribution, lower_bits_per_param=sent(settings.density),
+                upper_bits_per_param=sent(min(1.0, peers * settings.density)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,18 +127,25 @@ def main(argv: list[str] | None = None) -> int:
     params = next((m["params"] for m in measured if m["params"]), None) or count_params("tiny")
     dp_same_h = inner_steps * butterfly_bytes(params, peers, 4.0)
     for m in measured:
-        expected = butterfly_bytes(params, peers, BYTES_PER_VALUE[m["codec"]])
         value = m["bytes_per_round_per_peer"]
-        m.update(analytic_bytes=expected, measured_over_analytic=value / expected if value else None,
-                 dp_bytes_same_h=dp_same_h, dp_over_diloco=dp_same_h / value if value else None)
+        m.update(bits_per_param=8 * value / params if value else None, dp_bytes_same_h=dp_same_h,
+                 dp_over_diloco=dp_same_h / value if value else None)
+        if m["codec"] in BYTES_PER_VALUE:
+            expected = butterfly_bytes(params, peers, BYTES_PER_VALUE[m["codec"]])
+            m.update(analytic_bytes=expected, measured_over_analytic=value / expected if value else None)
+        else:  # sparse: the contribution's size is exact, the averaged segments' depends on how supports overlap
+            m.update(sparse_bounds=sparse_bounds(m["codec"], params, peers))
     result["codecs"] = measured
     h_values = sorted({inner_steps, *REFERENCE_H})
     result["analytic"] = dict(tiny=analytic(params, peers, h_values),
                               small=analytic(count_params("small"), peers, h_values))
     result["summary"] = dict(
         dp_over_diloco_same_h={m["codec"]: m["dp_over_diloco"] for m in measured},
-        measured_over_analytic={m["codec"]: m["measured_over_analytic"] for m in measured},
+        measured_over_analytic={m["codec"]: m.get("measured_over_analytic") for m in measured},
         all_finished=all(m["finished"] for m in measured),
+        bits_per_param={m["codec"]: m["bits_per_param"] for m in measured},
+        theta_identical_every_round={m["codec"]: all(row["theta_identical"] for row in m["per_round"])
+                                     for m in measured},
     )
     result["seconds"] = round(time.monotonic() - started, 1)
     emit(result)

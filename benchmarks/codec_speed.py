@@ -108,11 +108,9 @@ def crossover(codec: SparseCodec, max_peers: int) -> dict[str, Any]:
     """The smallest N at which the averaged segment falls back to dense fp16 (the sparse sum is no smaller)."""
     s = codec.settings
     dense = 16.0  # bits per value of dense fp16 (the 1-byte tag is per segment)
-    per_nonzero = s.index_bits + 16
-    counts = 16 / s.chunk  # a u16 count per chunk
 
     def first(union_density) -> int:
-        return next(n for n in range(1, 10_000) if counts + union_density(n) * per_nonzero >= dense)
+        return next(n for n in range(1, 10_000) if s.sum_bits_per_value(union_density(n)) >= dense)
 
     disjoint = first(lambda n: min(1.0, n * s.density))
     independent = first(lambda n: 1 - (1 - s.density) ** n)

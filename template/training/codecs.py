@@ -371,6 +371,12 @@ class SparseSettings:
     def density(self) -> float:
         return self.k / self.chunk
 
+    def sum_bits_per_value(self, union_density: float) -> float:
+        """Bits per value of a sparse averaged segment whose chunks hold ``union_density`` × ``chunk`` nonzeros (a u16
+        count per chunk, then an index and an fp16 value per nonzero); the reducer sends dense fp16 (16) instead
+        when that is smaller."""
+        return 16 / self.chunk + union_density * (self.index_bits + 16)
+
     def kept(self, numel: int) -> int:
         """Entries kept in a segment of ``numel`` values (the last chunk keeps at most its length)."""
         return numel // self.chunk * self.k + min(self.k, numel % self.chunk)

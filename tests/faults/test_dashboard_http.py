@@ -129,6 +129,11 @@ def test_a_request_body_is_never_read_and_a_huge_one_is_refused(server):
     assert_harmless(status, body)
     status, _, body = raw(server, request("GET", "/" + "a" * 10_000))  # longer than the request line may be
     assert status in (400, 414) and len(body) < 2000
+    for path in ("/", "/api/state", "/missing"):  # aiohttp's own Expect handling answered these with a 500
+        for expect in ("\x80", "100-continue", "something-else"):
+            status, _, body = raw(server, request("GET", path, f"Expect: {expect}"))
+            assert_harmless(status, body)
+            assert status == (404 if path == "/missing" else 200), (path, expect, status)
 
 
 SEGMENTS = st.one_of(

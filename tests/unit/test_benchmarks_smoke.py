@@ -131,6 +131,7 @@ def test_bytes_per_round_quick(outputs):
     for m in codecs.values():
         assert m["finished"] is True and m["errors"] == {}
         assert 1.0 <= m["measured_over_analytic"] <= 1.01  # framing overhead only
+        assert all(row["theta_identical"] for row in m["per_round"]), m["per_round"]
     assert codecs["none"]["bytes_per_round_per_peer"] > 3.9 * codecs["int8"]["bytes_per_round_per_peer"]
     # data-parallel sends float32 gradients every step: H x 4 / (codec bytes per value) times more per round
     h = result["settings"]["inner_steps"]
