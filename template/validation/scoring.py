@@ -150,22 +150,27 @@ def mean_update(updates: Sequence[Tensors]) -> list[torch.Tensor] | None:
     return [torch.stack([u[i].float() for u in updates]).mean(0) for i in range(len(updates[0]))]
 
 
-def paired_edge_z(after: dict[int, float], reference: dict[int, float], windows_a: Sequence[int],
-                  windows_b: Sequence[int], config: ScoringConfig) -> float:
-    """Significance of (mean edge of ``after`` over ``reference`` on ``windows_a``) − (the same on ``windows_b``)."""
+def edge_difference(after: dict[int, float], reference: dict[int, float], windows_a: Sequence[int],
+                    windows_b: Sequence[int], config: ScoringConfig) -> tuple[float, float]:
+    """(mean edge of ``after`` over ``reference`` on ``windows_a``) − (the same on ``windows_b``), and its standard
+    error from the per-window spread on each side (floored at ``evidence_floor``)."""
     edge_a = [reference[w] - after[w] for w in windows_a]
     edge_b = [reference[w] - after[w] for w in windows_b]
     spread = statistics.variance(edge_a) / len(edge_a) + statistics.variance(edge_b) / len(edge_b)
-    return (statistics.fmean(edge_a) - statistics.fmean(edge_b)) / math.sqrt(spread + config.evidence_floor ** 2)
+    return statistics.fmean(edge_a) - statistics.fmean(edge_b), math.sqrt(spread + config.evidence_floor ** 2)
+
+
+def paired_edge_z(after: dict[int, float], reference: dict[int, float], windows_a: Sequence[int],
+                  windows_b: Sequence[int], config: ScoringConfig) -> float:
+    """Significance of :func:`edge_difference`: how much more ``after`` helps ``windows_a`` than ``windows_b``."""
+    difference, se = edge_difference(after, reference, windows_a, windows_b, config)
+    return difference / se
 
 
 def loss_gains(after: dict[int, float], reference: dict[int, float], baseline: dict[int, float],
                assigned: Sequence[int], unassigned: Sequence[int], config: ScoringConfig) -> LossGains:
     """The measures of an update from the losses (per window) of θ_r − η·Δ (``after``), of the reference θ_r − η·R
     and of θ_r (``baseline``), on the miner's assigned sample and on other windows."""
-    edge_assigned = [reference[w] - after[w] for w in assigned]
-    edge_unassigned = [reference[w] - after[w] for w in unassigned]
-    spread = statistics.variance(edge_assigned) / len(assigned) + statistics.variance(edge_unassigned) / len(unassigned)
-    return LossGains(general=mean_over(baseline, unassigned) - mean_over(after, unassigned),
-                     evidence=statistics.fmean(edge_assigned) - statistics.fmean(edge_unassigned),
-                     evidence_se=math.sqrt(spread + config.evidence_floor ** 2))
+    evidence, se = edge_difference(after, reference, assigned, unassigned, config)
+    return LossGains(general=mean_over(baseline, unassigned) - mean_over(after, unassigned), evidence=evidence,
+                     evidence_se=se)
