@@ -32,7 +32,7 @@ import torch
 from template.p2p.keys import verify_signature
 from template.p2p.publication import Publication
 from template.training.averaging import AveragingResult
-from template.training.codecs import CodecError, SegmentCodec
+from template.training.codecs import CodecError, SegmentCodec, segment_slices
 from template.training.contribution import (
     Commitment,
     ContributionError,
@@ -40,6 +40,7 @@ from template.training.contribution import (
     decode_segments,
     leaf_digest,
     merkle_root,
+    segment_bounds,
     statement_bytes,
 )
 from template.training.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
@@ -75,8 +76,8 @@ def read_publication(publication: Publication, codec: SegmentCodec, shapes: Sequ
     if not commitment.verify(verify_signature):
         return ReadPublication(None, reason="its commitment is not signed by its hotkey")
     segments, offset = [], 0
-    for index in range(-(-numel // codec.segment_values)):
-        size = codec.encoded_size(min(codec.segment_values, numel - index * codec.segment_values))
+    for values in segment_slices(numel, codec.segment_values):
+        size = codec.encoded_size(values.stop - values.start)
         segments.append(publication.payload[offset:offset + size])
         offset += size
     if offset != len(publication.payload) or merkle_root([leaf_digest(s) for s in segments]) != commitment.root:
@@ -153,6 +154,5 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
 
 
 def _segment_numel(codec: SegmentCodec, commitments: Mapping[str, Commitment], segment: int) -> int:
-    numel = next(iter(commitments.values())).numel
-    start = segment * codec.segment_values
-    return min(codec.segment_values, numel - start)
+    start, stop = segment_bounds(next(iter(commitments.values())).numel, codec.segment_values, segment)
+    return stop - start
