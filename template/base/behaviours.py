@@ -85,14 +85,21 @@ def _noise_like(tensors: Tensors, scale: float, generator: torch.Generator) -> T
 
 
 class _RemembersAverage(MinerBehaviour):
-    """Keeps the last Δ̄ it received (copies can only be of what a miner has)."""
+    """Keeps the last ``lag + 1`` averages Δ̄ it received (copies can only be of what a miner has); ``held_average``
+    is the oldest of them — with ``lag`` 0, the last one — or None before the first."""
+
+    lag = 0
 
     def __init__(self) -> None:
-        self.last_average: Tensors | None = None
+        self._averages: deque[Tensors] = deque(maxlen=self.lag + 1)
 
     def after_round(self, outcome: RoundOutcome) -> None:
         if outcome.averaged is not None:
-            self.last_average = [t.clone() for t in outcome.averaged]
+            self._averages.append([t.clone() for t in outcome.averaged])
+
+    @property
+    def held_average(self) -> Tensors | None:
+        return self._averages[0] if self._averages else None
 
 
 class FreeRider(MinerBehaviour):
@@ -118,7 +125,7 @@ class Noise(_RemembersAverage):
         return _trains_nothing(plan)
 
     def contribution(self, round: int, delta: Tensors) -> Tensors:
-        reference = self.last_average if self.last_average is not None else [torch.ones_like(t) for t in delta]
+        reference = self.held_average if self.held_average is not None else [torch.ones_like(t) for t in delta]
         return _noise_like(reference, 1.0, self._generator)
 
 
@@ -174,36 +181,30 @@ class Copycat(_RemembersAverage):
         return _trains_nothing(plan)
 
     def contribution(self, round: int, delta: Tensors) -> Tensors:
-        source = self.last_average if self.last_average is not None else delta
+        source = self.held_average if self.held_average is not None else delta
         return [t + self.noise_scale * t.std().nan_to_num(0.0) * torch.randn(t.shape, generator=self._generator)
                 for t in source]
 
 
-class _OneStepAverage(MinerBehaviour):
+class _OneStepAverage(_RemembersAverage):
     """Runs one inner step, so that it takes part in the round with tokens, and contributes a Δ̄ it received plus
-    Gaussian noise of ``rel`` × that Δ̄'s norm (per tensor): the cheap copier of the group's work. It keeps the last
-    ``lag + 1`` averages and uses the oldest it holds; its own one-step Δ until it has received one."""
-
-    lag = 0
+    Gaussian noise of ``rel`` × that Δ̄'s norm (per tensor): the cheap copier of the group's work. It uses the oldest
+    of the last ``lag + 1`` averages it holds; its own one-step Δ until it has received one."""
 
     def __init__(self, rel: float = 0.15, seed: int = 0) -> None:
         if rel < 0:
             raise ValueError(f"{self.name}: the relative noise must be >= 0, not {rel}")
+        super().__init__()
         self.rel = rel
         self._generator = torch.Generator().manual_seed(seed)
-        self._averages: deque[Tensors] = deque(maxlen=self.lag + 1)
 
     def plan(self, plan: RoundPlan) -> RoundPlan:
         return replace(plan, max_steps=min(plan.max_steps, 1))
 
-    def after_round(self, outcome: RoundOutcome) -> None:
-        if outcome.averaged is not None:
-            self._averages.append([t.clone() for t in outcome.averaged])
-
     def contribution(self, round: int, delta: Tensors) -> Tensors:
-        if not self._averages:
+        source = self.held_average
+        if source is None:
             return delta
-        source = self._averages[0]
         return [t + n for t, n in zip(source, _noise_like(source, self.rel, self._generator), strict=True)]
 
 
