@@ -177,11 +177,12 @@ class Validator:
         candidates, binding = [], set()
         for hotkey in chosen:
             fetched, uid = publications[hotkey], miners[hotkey].uid
-            problem = fetched if isinstance(fetched, str) else accused.get(hotkey) or read[hotkey].reason
-            if problem and not isinstance(fetched, str):
+            if isinstance(fetched, str):
+                candidates.append(Candidate(hotkey, uid, None, fetch_error=fetched, coverage=coverage.get(hotkey)))
+                continue
+            if refused := accused.get(hotkey) or read[hotkey].reason:
                 binding.add(hotkey)  # proven from what it signed: not a timeout or a fetch that failed
-            if problem:
-                candidates.append(Candidate(hotkey, uid, None, fetch_error=problem, coverage=coverage.get(hotkey)))
+                candidates.append(Candidate(hotkey, uid, None, refused=refused, coverage=coverage.get(hotkey)))
                 continue
             candidates.append(Candidate(hotkey, uid, read[hotkey].tensors, fetched.meta.base_theta_hash,
                                         fetched.meta.published_at_block, coverage=coverage.get(hotkey),

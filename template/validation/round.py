@@ -73,6 +73,7 @@ class Candidate:
     base_theta_hash: str = ""
     published_at_block: int = 0
     fetch_error: str = ""  # non-empty when nothing usable was fetched
+    refused: str = ""  # non-empty when what was fetched convicts the miner (not its contribution, or the audit)
     coverage: float | None = None  # share of the round's averaged segments that include it; None when unknown
     share_of_average: float = 0.0  # its token weight / the group's total weight
 
@@ -171,6 +172,8 @@ class RoundScorer:
         return verdicts
 
     def _basic_problem(self, context: RoundContext, c: Candidate) -> str | None:
+        if c.refused:
+            return c.refused
         if c.fetch_error or c.tensors is None:
             return f"not fetched: {c.fetch_error or 'nothing published'}"
         if c.base_theta_hash != context.theta_hash:

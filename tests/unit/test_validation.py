@@ -261,6 +261,7 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
         Candidate("unreachable", 9, None, fetch_error="FetchTimeoutError: took longer than 20s"),
         Candidate("wrong-base", 10, a, "b" * 64, 105),
         candidate("backdated", 11, b, block=42),
+        Candidate("twofaced", 13, None, refused="it published other bytes than it contributed to the all-reduce"),
     ]
     context = RoundContext(0, theta, h, averaged, first_block=100, last_block=110)
     verdicts = {v.hotkey: v for v in scorer.score(context, candidates)}
@@ -271,6 +272,8 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
         "copy-noisy": "copy of honest-b", "copycat-average": "average", "nan": "NaN or inf",
         "unreachable": "not fetched", "wrong-base": "trained from θ", "backdated": "outside the round's window",
     }
+    assert verdicts["twofaced"].reason == "it published other bytes than it contributed to the all-reduce"
+    assert verdicts["twofaced"].quality == 0.0 and verdicts["twofaced"].round_score().evidence is None
     for hotkey, fragment in expected.items():
         assert verdicts[hotkey].quality == 0.0 and fragment in verdicts[hotkey].reason, verdicts[hotkey]
         assert verdicts[hotkey].round_score().evidence is None
