@@ -41,6 +41,7 @@ from template.training.contribution import (
     leaf_digest,
     merkle_root,
     segment_bounds,
+    shaped,
     statement_bytes,
 )
 from template.training.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
@@ -88,8 +89,7 @@ def read_publication(publication: Publication, codec: SegmentCodec, shapes: Sequ
         flat = decode_segments(codec, segments, numel)
     except (CodecError, ContributionError) as err:
         return ReadPublication(None, reason=f"its committed contribution does not decode: {err}")
-    tensors = [part.view(shape) for part, shape in zip(flat.split([s.numel() for s in shapes]), shapes, strict=True)]
-    return ReadPublication(tensors, tuple(segments), commitment)
+    return ReadPublication(shaped(flat, shapes), tuple(segments), commitment)
 
 
 @dataclass

@@ -67,6 +67,7 @@ from template.training.contribution import (
     Verifier,
     codec_descriptor,
     encode_contribution,
+    shaped,
     sign_statements,
 )
 from template.training.segment_messages import certificate_bytes
@@ -322,8 +323,7 @@ class PseudoGradientAverager:
         if not reason:
             flat: list[torch.Tensor] = []
             if self._with_buffers(deadline, lambda: flat.append(self._output.clone())):
-                averaged = [part.view(shape) for part, shape in
-                            zip(flat[0].split([s.numel() for s in self.shapes]), self.shapes, strict=True)]
+                averaged = shaped(flat[0], self.shapes)
             else:
                 reason = "the averaged result could not be read before the deadline"
         audit = {key: report[key] for key in ("senders", "ranges", "segments", "certificates", "failed_owners")}

@@ -129,6 +129,11 @@ def root_from_range(leaves: Sequence[bytes], start: int, stop: int, count: int, 
 # ----------------------------------------------------------------------------------------------- the encoding
 
 
+def shaped(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """The flat vector of a contribution or an average, as views of the model's tensor shapes."""
+    return [part.view(shape) for part, shape in zip(flat.split([s.numel() for s in shapes]), shapes, strict=True)]
+
+
 def segment_count(numel: int, segment_values: int) -> int:
     return -(-numel // segment_values)
 
