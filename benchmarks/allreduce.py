@@ -145,9 +145,9 @@ def hivemind_worker(rank: int, world: int) -> None:
     """
     from hivemind.averaging.control import AveragingStage
 
+    from template.allreduce.averager import AveragingConfig, PseudoGradientAverager
+    from template.allreduce.codecs import get_codec
     from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
-    from template.training.averaging import AveragingConfig, PseudoGradientAverager
-    from template.training.codecs import get_codec
 
     torch.set_num_threads(threads_per_peer(world))
     setup_logging()
@@ -414,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         hivemind_worker(args.rank, args.world)
         return 0
     setup_logging()
-    from template.training.averaging import AveragingConfig
-    from template.training.codecs import get_codec
+    from template.allreduce.averager import AveragingConfig
+    from template.allreduce.codecs import get_codec
 
     quick = args.quick
     sizes = parse_ints(args.sizes or ("100000" if quick else "1000000,10000000,50000000"))

@@ -84,7 +84,7 @@ def sparse_bounds(codec_name: str, params: int, peers: int) -> dict[str, float]:
     """Bits per parameter a butterfly peer sends per round with a sparse codec (default settings): (N−1)/N × (its
     contribution + the averaged segments it serves). The contribution's size is exact; the averaged segments hold the
     union of the N supports: at least one support (every peer chose the same entries), at most N (disjoint)."""
-    from template.training.codecs import get_codec, segment_slices
+    from template.allreduce.codecs import get_codec, segment_slices
 
     codec = get_codec(codec_name)
     settings, share = codec.settings, (peers - 1) / peers

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.codec_speed [--quick] [--values 1100000000] [--slice 134217728] [--peers 4]``
 
-What it measures, for each codec of ``template.training.codecs`` with its default settings (``torch.set_num_threads
+What it measures, for each codec of ``template.allreduce.codecs`` with its default settings (``torch.set_num_threads
 (1)``):
 
 - **Time.** A slice of ``--slice`` float32 values (N(0, 1), seeded) is encoded and decoded segment by segment, as
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import benchmark_parser, emit, machine_info, parse_benchmark_args
-from template.training.codecs import CODEC_NAMES, SegmentCodec, SparseCodec, encode_segments, get_codec
+from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, SparseCodec, encode_segments, get_codec
 
 
 def timed(repeats: int, function, *args) -> tuple[Any, float]:

@@ -37,8 +37,8 @@ log = logging.getLogger("benchmarks")
 def setup_logging() -> None:
     """Logs to stderr (stdout carries the one JSON result); hivemind's chatter only from warnings up."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("hivemind", "template.training.averaging", "template.training.checked_averager",
-                  "template.training.allreduce_runner", "template.training.part_reducer"):
+    for noisy in ("hivemind", "template.allreduce.averager", "template.allreduce.averager_process",
+                  "template.allreduce.runner", "template.allreduce.segment_reducer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -12,7 +12,7 @@ Arms (tiny preset, byte-level data, the engine's default inner AdamW settings fo
   global batch has exactly the mean of the N workers' gradients), S steps. Same tokens as DiLoCo.
 - ``single``: one worker, S steps on worker 0's batches (its batch = the per-worker batch): 1/N of the tokens.
 - ``diloco_<codec>``: N replicas, S/H rounds of H inner steps each on the data the engine assigns to
-  ``peer0..peerN-1``, with the segment codecs of ``template.training.codecs`` applied exactly as the engine applies
+  ``peer0..peerN-1``, with the segment codecs of ``template.allreduce.codecs`` applied exactly as the engine applies
   them: each peer's flat Δ (plus its residual, kept across rounds, for ``sparse``) goes through
   ``encode_with_feedback``; the token-weighted mean of the *decoded* contributions (float64 accumulation, float32
   result — the reducer's arithmetic) goes through ``encode_average``/``decode_average`` per segment; the outer step
@@ -76,7 +76,7 @@ from benchmarks.common import (
     ratio,
     run_peers,
 )
-from template.training.codecs import SegmentCodec, SparseCodec, SparseSettings, encode_segments, encode_with_feedback
+from template.allreduce.codecs import SegmentCodec, SparseCodec, SparseSettings, encode_segments, encode_with_feedback
 
 log = logging.getLogger("benchmarks.convergence")
 
@@ -121,7 +121,7 @@ class Arm:
     overlap: str = "blocking"  # one of OVERLAP_MODES (module docstring)
 
     def build_codec(self) -> SegmentCodec:
-        from template.training.codecs import get_codec
+        from template.allreduce.codecs import get_codec
 
         return SparseCodec(self.sparse) if self.codec == "sparse" else get_codec(self.codec)
 

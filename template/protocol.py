@@ -8,7 +8,7 @@ Wire forms (JSON and safetensors only, never pickle):
   *canonical* JSON of every field except ``signature`` (sorted keys, no spaces, ASCII, floats as Python's shortest
   round-trip repr), so a validator re-derives the exact signed bytes from the decoded fields.
 - The payload: exactly the bytes the miner fed into the round's all-reduce — its contribution's encoded segments,
-  concatenated (:mod:`template.training.contribution`). The signed metadata carries their sha256, the model's names
+  concatenated (:mod:`template.allreduce.contribution`). The signed metadata carries their sha256, the model's names
   and shapes, the codec that encoded them, and the miner's signed contribution *commitment* (whose Merkle root the
   segments must hash to): what a validator scores is what the miner contributed.
 
@@ -216,7 +216,7 @@ class PublicationMeta:
 
     ``names``/``shapes`` list the tensors in ``model.parameters()`` order; ``codec`` names the encoding of the
     payload's segments (with its settings); ``commitment`` is the miner's signed commitment to those segments, in the
-    wire form of :class:`template.training.contribution.Commitment` (checked for shape here, for its signature and
+    wire form of :class:`template.allreduce.contribution.Commitment` (checked for shape here, for its signature and
     root by the validator); ``payload_sha256`` binds the payload bytes to this signature. ``signature`` is ``""``
     until signed. Construction validates every field (ProtocolError), so an instance is always well-formed.
     """

@@ -11,7 +11,7 @@ A miner's publication of round r must be *exactly* what it contributed to round 
   and every owner's signed certificate): a refusal must carry the sender's own signature of bytes other than it
   committed (else the owner framed it), two validly signed certificates of one owner that differ prove that it sent
   different members different bytes, and every averaged segment is recomputed bit for bit from the publications with
-  the reducer's own rule (:func:`template.training.reduction.reduce_segment`) — which is what checks an owner's own
+  the reducer's own rule (:func:`template.allreduce.reduction.reduce_segment`) — which is what checks an owner's own
   share, the one contribution that never crosses the wire.
 
 Every accusation rests on something the accused signed (a commitment, a statement, a certificate) or on a
@@ -29,22 +29,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from template.p2p.keys import verify_signature
-from template.p2p.publication import Publication
-from template.training.averaging import AveragingResult
-from template.training.codecs import CodecError, SegmentCodec, segment_slices
-from template.training.contribution import (
+from template.allreduce.averager import AveragingResult
+from template.allreduce.codecs import CodecError, SegmentCodec
+from template.allreduce.contribution import (
     Commitment,
     ContributionError,
     codec_descriptor,
     decode_segments,
+    encoded_sizes,
     leaf_digest,
     merkle_root,
     segment_bounds,
     shaped,
     statement_bytes,
 )
-from template.training.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
+from template.allreduce.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
+from template.p2p.keys import verify_signature
+from template.p2p.publication import Publication
 
 Tensors = list[torch.Tensor]
 
@@ -77,8 +78,7 @@ def read_publication(publication: Publication, codec: SegmentCodec, shapes: Sequ
     if not commitment.verify(verify_signature):
         return ReadPublication(None, reason="its commitment is not signed by its hotkey")
     segments, offset = [], 0
-    for values in segment_slices(numel, codec.segment_values):
-        size = codec.encoded_size(values.stop - values.start)
+    for size in encoded_sizes(codec, numel):
         segments.append(publication.payload[offset:offset + size])
         offset += size
     if offset != len(publication.payload) or merkle_root([leaf_digest(s) for s in segments]) != commitment.root:
@@ -110,44 +110,43 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
                     scope: str, round: int, clip_multiple: float | None) -> AuditResult:
     """Check the round's all-reduce from the validator's view of it against the verified publications
     (``segments_by_peer``: peer id → the segments it committed and published; module docstring)."""
-    audit, outcome = result.audit, AuditResult()
-    senders: list[str] = audit.get("senders", [])
+    evidence, outcome = result.evidence, AuditResult()
+    senders = evidence.senders
     if not senders:
         return outcome
     members = list(result.group)
     commitments = {peer: Commitment.from_wire(c) for peer, c in result.commitments.items()}
     announced = [result.weights.get(peer) for peer in senders]
     cap = weight_cap(announced)
-    for owner in audit.get("conflicts", []):
+    for owner in evidence.conflicts:
         outcome.accused[members[owner]] = "signed different shares for different members of the group (its own " \
                                           "certificates)"
-    for key, record in audit.get("segments", {}).items():
-        segment, owner = int(key), members[record["owner"]]
-        for sender_index, leaf_hex, signature_hex in record["refusals"]:
-            sender = senders[sender_index]
-            statement = statement_bytes(scope, round, segment, bytes.fromhex(leaf_hex))
+    for segment, record in evidence.segments.items():
+        owner = members[record.owner]
+        for refusal in record.refusals:
+            sender = senders[refusal.sender]
+            statement = statement_bytes(scope, round, segment, refusal.leaf)
             committed = segments_by_peer.get(sender)
-            proven = sender in commitments and verify_signature(commitments[sender].key, statement,
-                                                                bytes.fromhex(signature_hex))
-            if proven and (committed is None or leaf_digest(committed[segment]) != bytes.fromhex(leaf_hex)):
+            proven = sender in commitments and verify_signature(commitments[sender].key, statement, refusal.signature)
+            if proven and (committed is None or leaf_digest(committed[segment]) != refusal.leaf):
                 outcome.accused.setdefault(sender, f"sent segment {segment} other than it committed (its own "
                                                    "signed statement)")
             else:
                 outcome.accused.setdefault(owner, f"refused {sender}'s segment {segment} without proof")
                 outcome.framed[sender] = outcome.framed.get(sender, 0) + 1
-        if not all(senders[s] in segments_by_peer for s in record["included"]):
+        if not all(senders[s] in segments_by_peer for s in record.included):
             outcome.segments_unchecked += 1
             continue
         inputs = [SegmentInput(s, segments_by_peer[senders[s]][segment], announced[s] or 0.0)
-                  for s in record["included"]]
+                  for s in record.included]
         numel = _segment_numel(codec, commitments, segment)
         try:
             expected = reduce_segment(inputs, numel, codec, announced, clip_multiple, cap)
         except NoValidContribution:
             expected = None
         outcome.segments_checked += 1
-        if expected is None or hashlib.sha256(expected.data).hexdigest() != record["digest"] \
-                or list(expected.included) != record["included"]:
+        if expected is None or hashlib.sha256(expected.data).digest() != record.digest \
+                or tuple(expected.included) != record.included:
             outcome.accused.setdefault(owner, f"returned a wrong average for segment {segment} (recomputed from "
                                               "the publications)")
     return outcome

@@ -8,7 +8,7 @@ and stay so.
 The neuron entry points parse their flags with :func:`add_neuron_args` (+ :func:`add_miner_args` or
 :func:`add_validator_args`) and hand :meth:`NeuronConfig.from_args` to ``template.base``; nothing below the entry
 points reads the raw ``argparse`` namespace. The all-reduce settings are turned into an
-:class:`~template.training.averaging.AveragingConfig` in one place,
+:class:`~template.allreduce.averager.AveragingConfig` in one place,
 :func:`template.training.cli.averaging_config`.
 """
 
@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from template.allreduce.codecs import SegmentCodec
 from template.base.behaviours import MinerBehaviour, load_behaviour
 from template.base.telemetry import WandbConfig, add_wandb_args
 from template.config import ChainArgs, add_chain_args, chain_args_from
@@ -32,7 +33,6 @@ from template.training.cli import (
     dotted,
     run_spec_from,
 )
-from template.training.codecs import SegmentCodec
 from template.training.data import DataConfig
 from template.training.spec import RunSpec
 from template.validation.rewards import RewardConfig

@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from template.allreduce.contribution import Commitment
 from template.base.behaviours import MinerBehaviour
 from template.base.config import NeuronConfig
 from template.base.neuron import NeuronContext, StopFlag
@@ -35,7 +36,6 @@ from template.base.telemetry import Telemetry
 from template.p2p.identity import PeerDirectory
 from template.p2p.keys import KeypairSigner
 from template.p2p.publication import AuthDecision, PublicationServer, permit_holders
-from template.training.contribution import Commitment
 from template.training.diloco import DiLoCoPeer
 from template.training.distributed import NodeGroup
 from template.training.round import Progress, RoundOutcome
@@ -154,7 +154,7 @@ class Miner:
             return
         other = self.behaviour.publication(outcome)
         if other is not None:
-            contribution = self.peer.averager.contribute(other)
+            contribution = self.peer.encode(other)
             commitment = Commitment.sign(self.signer, commitment.scope, commitment.round, contribution)
         report = outcome.report
         self.server.publish(

@@ -34,13 +34,13 @@ import bittensor as bt
 import hivemind
 import torch
 
+from template.allreduce.averager import AveragingConfig
 from template.base.config import NeuronConfig
 from template.base.dashboard import DashboardError, DashboardServer, start_dashboard
 from template.chain.client import CHAIN_UNREACHABLE, ChainClient, NetworkConfigError, NotRegisteredError
 from template.chain.wallets import open_wallet
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
 from template.p2p.identity import PeerDirectory, commitment_value, peer_directory
-from template.training.averaging import AveragingConfig
 from template.training.checkpoint import CheckpointError
 from template.training.cli import averaging_config
 from template.training.spec import RunMismatchError

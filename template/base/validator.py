@@ -40,13 +40,13 @@ import bittensor as bt
 import torch
 
 import template
+from template.allreduce.averager import AveragingResult
 from template.base.audit import audit_allreduce, read_publication
 from template.base.neuron import NeuronContext
 from template.base.telemetry import Telemetry
 from template.p2p.identity import PeerDirectory
 from template.p2p.publication import FetchError, NotFoundError, ProtocolError, Publication, fetch_publication
 from template.protocol import PROTOCOL_VERSION, FetchRequest
-from template.training.averaging import AveragingResult
 from template.training.diloco import DiLoCoPeer
 from template.training.round import RoundOutcome
 from template.validation.integrity import IntegrityConfig
@@ -98,7 +98,7 @@ class Validator:
                                device=self.config.neuron.device, checkpoint_dir=ctx.state_dir / "checkpoints",
                                codec=self.config.codec(), scope=f"netuid{ctx.netuid}")
         self.layout = [(name, tuple(p.shape)) for name, p in self.peer.model.named_parameters()]
-        self.payload_bytes = sum(self.peer.averager.buffer.segment_sizes)  # a contribution's exact size
+        self.payload_bytes = self.peer.contribution_nbytes  # a contribution's exact size
         secret = load_or_create_secret(ctx.state_dir / "validator_secret.json")
         self.scorer = RoundScorer(
             LossProbe(self.peer.model, corpus, spec.batch_size, self.config.neuron.device),  # scratch: the round
@@ -253,7 +253,7 @@ class Validator:
         result = pending.applied
         if result is None:
             return {}
-        segments = len(result.audit.get("segments", {})) or 1
+        segments = len(result.evidence.segments) or 1
         coverage = {record.hotkey: 0.0 for record in pending.directory}
         for peer_id, fraction in result.coverage.items():
             if (record := pending.directory.get(peer_id)) is not None:

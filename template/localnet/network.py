@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from template.allreduce.codecs import CODEC_NAMES
 from template.base.behaviours import load_behaviour
 from template.chain.client import ChainClient
 from template.chain.mock_server import RemoteMockSubstrate
@@ -53,7 +54,6 @@ from template.localnet.report import (
     write_report,
 )
 from template.localnet.view import LiveView, print_summary, tail_text
-from template.training.codecs import CODEC_NAMES
 from template.training.data import names_files
 from template.training.model import MODEL_PRESETS
 from template.training.run import PeerProcess

@@ -23,6 +23,8 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from template.p2p.hivemind_compat import check_hivemind_version, dial, visible_maddrs_coroutine
+
 __all__ = ["DHTConfig", "DHTStartError", "connect_peers", "start_dht", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ def _dht_kwargs(config: DHTConfig) -> dict:
 
 def start_dht(config: DHTConfig | None = None) -> hivemind.DHT:
     """Start a DHT node and wait until it serves requests; retry with backoff; raise :class:`DHTStartError`."""
+    check_hivemind_version()
     config = config or DHTConfig()
     last_error: BaseException | None = None
     for attempt in range(1, config.start_attempts + 1):
@@ -104,7 +107,7 @@ def visible_maddrs(dht: hivemind.DHT, timeout_s: float = 10.0) -> list[str]:
     """
     if not dht.is_alive():
         raise DHTStartError(f"the DHT process is not running (exit code {dht.exitcode})")
-    future = dht.run_coroutine(partial(hivemind.DHT._get_visible_maddrs, latest=False), return_future=True)
+    future = dht.run_coroutine(visible_maddrs_coroutine(), return_future=True)
     return [str(maddr) for maddr in future.result(timeout=timeout_s)]
 
 
@@ -125,15 +128,14 @@ def connect_peers(dht: hivemind.DHT, maddrs: list[str], timeout_s: float = 15.0)
 async def _dial_all(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str]) -> int:
     """Runs inside the DHT process (hence module-level, with plain-string arguments)."""
 
-    async def dial(maddr: str) -> bool:
+    async def reach(maddr: str) -> bool:
         address = Multiaddr(maddr)
         peer_id = PeerID.from_base58(address["p2p"])
         try:
-            # hivemind has no public "connect to this address": use the daemon client it uses itself
-            await node.p2p._client.connect(peer_id, [address.decapsulate(Multiaddr(f"/p2p/{address['p2p']}"))])
+            await dial(node.p2p, peer_id, address.decapsulate(Multiaddr(f"/p2p/{address['p2p']}")))
             return await node.protocol.call_ping(peer_id) is not None
         except Exception as e:  # an unreachable or misbehaving peer must not stop the others
             logger.info("could not reach peer at %s: %r", maddr, e)
             return False
 
-    return sum(await asyncio.gather(*(dial(maddr) for maddr in maddrs)))
+    return sum(await asyncio.gather(*(reach(maddr) for maddr in maddrs)))

@@ -11,8 +11,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from template.training.averaging import AveragingConfig
-from template.training.codecs import CODEC_NAMES, SegmentCodec, get_codec
+from template.allreduce.averager import AveragingConfig
+from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, get_codec
 from template.training.data import DataConfig
 from template.training.inner import InnerConfig
 from template.training.model import MODEL_PRESETS

@@ -24,7 +24,7 @@ What is guaranteed when things go wrong:
   atomically; a restarted peer resumes from it when no live peer is further along (a peer that starts from a live
   peer's state starts with an empty residual).
 - The contribution c is encoded once, signed (a commitment to its Merkle root) and travels as exactly those bytes
-  (:mod:`template.training.contribution`); the outcome carries it, so a publication can be exactly what went in.
+  (:mod:`template.allreduce.contribution`); the outcome carries it, so a publication can be exactly what went in.
 
 How a peer joins and re-syncs (identity record, ready barrier, state sharing) is :mod:`template.training.joining`.
 """
@@ -42,11 +42,17 @@ import hivemind
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from template.training.allreduce_runner import AllReduceFaults
-from template.training.averaging import AveragingConfig, AveragingResult, PseudoGradientAverager
+from template.allreduce.averager import AveragingConfig, AveragingResult, PseudoGradientAverager
+from template.allreduce.codecs import SegmentCodec, get_codec
+from template.allreduce.contribution import (
+    EncodedContribution,
+    Signer,
+    codec_descriptor,
+    encode_contribution,
+    encoded_sizes,
+)
+from template.allreduce.terms import AllReduceFaults
 from template.training.checkpoint import flatten_state, load_latest_checkpoint, save_checkpoint, unflatten_state
-from template.training.codecs import SegmentCodec, get_codec
-from template.training.contribution import EncodedContribution, Signer, codec_descriptor
 from template.training.data import DataAssignment, TokenCorpus
 from template.training.distributed import NodeGroup
 from template.training.inner import InnerTrainer, evaluate
@@ -257,6 +263,16 @@ class DiLoCoPeer:
         averaged = result.averaged if took_step and result is not None else None
         return RoundOutcome(report, base, delta, averaged, result, contribution,
                             handle.commitment if handle is not None else None)
+
+    def encode(self, tensors: Tensors) -> EncodedContribution:
+        """``tensors`` encoded with the run's codec, as a contribution would be (no error feedback): for a
+        behaviour that publishes something else than it contributed."""
+        return encode_contribution(self.codec, torch.cat([t.detach().reshape(-1) for t in tensors]).cpu())
+
+    @property
+    def contribution_nbytes(self) -> int:
+        """The exact byte size of every contribution (and publication) of this run."""
+        return sum(encoded_sizes(self.codec, sum(p.numel() for p in self.model.parameters())))
 
     def _encode(self, tensors: Tensors) -> EncodedContribution:
         """Encode what enters the all-reduce, once; with error feedback, what the codec left out waits for the next

@@ -28,7 +28,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from template.training.averaging import PseudoGradientAverager
+from template.allreduce.averager import PseudoGradientAverager
 from template.training.outer import OuterOptimizer
 from template.training.spec import RunMismatchError
 

@@ -79,8 +79,8 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("hivemind", "template.training.averaging", "template.training.checked_averager",
-                  "template.training.allreduce_runner", "template.training.part_reducer"):
+    for noisy in ("hivemind", "template.allreduce.averager", "template.allreduce.averager_process",
+                  "template.allreduce.runner", "template.allreduce.segment_reducer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)
     if args.torch_threads:

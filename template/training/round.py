@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from template.training.averaging import AveragingResult
-from template.training.contribution import Commitment, EncodedContribution
+from template.allreduce.averager import AveragingResult
+from template.allreduce.contribution import Commitment, EncodedContribution
 
 Tensors = list[torch.Tensor]
 

@@ -38,6 +38,16 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from template.allreduce.averager_process import parse_group
+from template.allreduce.codecs import SegmentCodec, get_codec
+from template.allreduce.contribution import (
+    Commitment,
+    EncodedContribution,
+    codec_descriptor,
+    encode_contribution,
+    leaf_digest,
+    merkle_root,
+)
 from template.base.audit import ReadPublication, read_publication
 from template.chain.mock import MockSubstrate
 from template.chain.mock_server import MockChainServer, MockServerError
@@ -55,16 +65,6 @@ from template.protocol import (
     ReplyStatus,
     check_payload,
     payload_size_limit,
-)
-from template.training.checked_averager import parse_group
-from template.training.codecs import SegmentCodec, get_codec
-from template.training.contribution import (
-    Commitment,
-    EncodedContribution,
-    codec_descriptor,
-    encode_contribution,
-    leaf_digest,
-    merkle_root,
 )
 
 FUZZ = settings(max_examples=120, deadline=None,

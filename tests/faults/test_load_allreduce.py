@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from template.allreduce.averager import AveragingConfig, PseudoGradientAverager
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
-from template.training.averaging import AveragingConfig, PseudoGradientAverager
 from template.training.model import build_model
 
 PEERS = 8

@@ -30,6 +30,8 @@ import torch
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from template.allreduce.codecs import SegmentCodec, get_codec
+from template.allreduce.contribution import Commitment, EncodedContribution, encode_contribution
 from template.base.audit import ReadPublication, read_publication
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
@@ -54,8 +56,6 @@ from template.protocol import (
     ReplyStatus,
     payload_size_limit,
 )
-from template.training.codecs import SegmentCodec, get_codec
-from template.training.contribution import Commitment, EncodedContribution, encode_contribution
 from tests.integration.p2p_helpers import commit_peer_id, run
 from tests.integration.p2p_helpers import message_frame as frame
 

@@ -21,14 +21,15 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter
-from template.training.codecs import get_codec
 
+from template.allreduce.averager import AveragingConfig, PseudoGradientAverager
+from template.allreduce.averager_process import CheckedAverager
+from template.allreduce.codecs import get_codec
+from template.allreduce.contribution import encode_contribution
+from template.allreduce.runner import CheckedAllReduceRunner
+from template.allreduce.terms import OwnContribution, RoundTerms, SegmentLayout
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
 from template.p2p.keys import verify_signature
-from template.training.allreduce_runner import CheckedAllReduceRunner, OwnContribution, RoundTerms, SegmentLayout
-from template.training.averaging import AveragingConfig, PseudoGradientAverager
-from template.training.checked_averager import CheckedAverager
-from template.training.contribution import encode_contribution
 from tests.integration.p2p_helpers import run
 
 SHAPES = [torch.Size([64]), torch.Size([8, 8])]
@@ -142,7 +143,7 @@ def test_an_outsiders_parts_are_refused_by_the_group():
         part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group", weight=1.0)
         context = P2PContext(handle_name="CheckedAverager.rpc_aggregate_part", local_id=me, remote_id=outsider)
         codes = [reply.code async for reply in runner.rpc_aggregate_part(as_aiter(part), context)]
-        assert runner.tensor_part_reducer.parts_received == 0  # nothing of the outsider's reached the reducer
+        assert runner.reducer.segments_received == 0  # nothing of the outsider's reached the reducer
         return codes
 
     assert asyncio.run(asyncio.wait_for(outsider_sends(), timeout=10)) == [averaging_pb2.PROTOCOL_VIOLATION]

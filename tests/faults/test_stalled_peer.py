@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from template.allreduce.averager import AveragingConfig, PseudoGradientAverager
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
-from template.training.averaging import AveragingConfig, PseudoGradientAverager
 from tests.integration.p2p_helpers import AVERAGER_CHILD_PREAMBLE
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,8 +22,8 @@ AVERAGER_CHILD_PREAMBLE = textwrap.dedent(
     import json, os, signal, sys, threading, time
     import torch
     from template.p2p.dht import DHTConfig, start_dht
-    from template.training.averaging import AveragingConfig, PseudoGradientAverager
-    from template.training.codecs import get_codec
+    from template.allreduce.averager import AveragingConfig, PseudoGradientAverager
+    from template.allreduce.codecs import get_codec
 
     args = json.loads(sys.argv[1])
     dht = start_dht(DHTConfig(initial_peers=args["initial_peers"]))

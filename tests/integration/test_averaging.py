@@ -27,13 +27,13 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from template.allreduce.averager import AveragingConfig, AveragingResult, PseudoGradientAverager
+from template.allreduce.codecs import get_codec
+from template.allreduce.reduction import WEIGHT_CAP_MULTIPLE, SegmentInput
+from template.allreduce.segment_reducer import Contribution, SegmentReducer
+from template.allreduce.terms import AllReduceFaults
 from template.base.audit import audit_allreduce
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
-from template.training.allreduce_runner import AllReduceFaults
-from template.training.averaging import AveragingConfig, AveragingResult, PseudoGradientAverager
-from template.training.codecs import get_codec
-from template.training.part_reducer import CheckedPartReducer, Contribution
-from template.training.reduction import WEIGHT_CAP_MULTIPLE, SegmentInput
 from tests.integration.p2p_helpers import AVERAGER_CHILD_PREAMBLE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -440,9 +440,9 @@ def reduce_one_part(tensors, weights, clip=3.0, announced=None):
         return Contribution(i, SegmentInput(i, data, weight))
 
     async def run():
-        reducer = CheckedPartReducer([4], [f"peer{i}" for i in range(len(weights))], announced or weights, codec, clip)
+        reducer = SegmentReducer([4], [f"peer{i}" for i in range(len(weights))], announced or weights, codec, clip)
         results = await asyncio.gather(
-            *(reducer.accumulate_part(contribution(i, t, w), 0) for i, (t, w) in enumerate(zip(tensors, weights,
+            *(reducer.accumulate(contribution(i, t, w), 0) for i, (t, w) in enumerate(zip(tensors, weights,
                                                                                                  strict=True))),
             return_exceptions=True)
         return reducer, results

@@ -20,6 +20,7 @@ import bittensor as bt
 import pytest
 import torch
 
+from template.allreduce.codecs import get_codec
 from template.base.audit import read_publication
 from template.base.miner import DIRECTORY_REFRESH_S
 from template.base.neuron import AsyncRunner
@@ -31,7 +32,6 @@ from template.p2p.identity import peer_directory
 from template.p2p.publication import RefusedError, fetch_publication
 from template.protocol import PROTOCOL_VERSION, FetchRequest
 from template.training.checkpoint import load_latest_checkpoint
-from template.training.codecs import get_codec
 from tests.integration.neuron_processes import REPO, events, neuron_command, start_process, stop_process, wait_until
 from tests.integration.p2p_helpers import commit_peer_id
 

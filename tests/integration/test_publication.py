@@ -26,6 +26,8 @@ import torch
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from template.allreduce.codecs import SegmentCodec, get_codec
+from template.allreduce.contribution import Commitment, codec_descriptor, encode_contribution
 from template.base.audit import read_publication
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
@@ -51,8 +53,6 @@ from template.protocol import (
     ReplyStatus,
     payload_size_limit,
 )
-from template.training.codecs import SegmentCodec, get_codec
-from template.training.contribution import Commitment, codec_descriptor, encode_contribution
 from tests.integration.p2p_helpers import commit_peer_id, message_frame, run
 
 pytestmark = pytest.mark.timeout(90)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from template.allreduce.terms import AllReduceFaults
 from template.base.behaviours import (
     BUILTIN,
     Copycat,
@@ -26,7 +27,6 @@ from template.base.behaviours import (
     TwoFacedZero,
     load_behaviour,
 )
-from template.training.allreduce_runner import AllReduceFaults
 from template.training.round import RoundOutcome, RoundPlan, RoundReport
 
 

@@ -1,4 +1,4 @@
-"""Segment codecs (template.training.codecs): error bounds, exact sizes, determinism, non-finite values, hostile
+"""Segment codecs (template.allreduce.codecs): error bounds, exact sizes, determinism, non-finite values, hostile
 bytes, error feedback and the averaged-segment encoding."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from template.training.codecs import (
+from template.allreduce.codecs import (
     CODEC_NAMES,
     FP16_MAX,
     CodecError,

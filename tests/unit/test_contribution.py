@@ -12,10 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from template.training.codecs import get_codec
 
-from template.p2p.keys import ephemeral_signer, verify_signature
-from template.training.contribution import (
+from template.allreduce.codecs import get_codec
+from template.allreduce.contribution import (
     Commitment,
     ContributionError,
     decode_segments,
@@ -28,7 +27,8 @@ from template.training.contribution import (
     sign_statements,
     statement_bytes,
 )
-from template.training.reduction import SegmentInput, reduce_segment, weight_cap
+from template.allreduce.reduction import SegmentInput, reduce_segment, weight_cap
+from template.p2p.keys import ephemeral_signer, verify_signature
 
 
 def leaves(n: int) -> list[bytes]:

@@ -1,9 +1,10 @@
 """The package's layers import only downward: a new upward import fails here, naming the module and the import.
 
-DESIGN.md §3: ``neurons -> base -> {validation, training, p2p, chain} -> config/protocol``. ``training`` trains a
-DiLoCo run between plain processes (no chain, no validators), ``validation`` scores tensors it is given (no hivemind,
-not even through what it imports), and ``config.py`` sits under the chain facade. Read from the source with ``ast``:
-nothing is imported or run.
+DESIGN.md §3: ``neurons -> base -> {validation, training, p2p, chain} -> config/protocol``, with the all-reduce
+(``allreduce``, DESIGN.md §13) between ``training`` and ``p2p``; neurons, scripts and benchmarks import the package
+and never each other. ``training`` trains a DiLoCo run between plain processes (no chain, no validators),
+``validation`` scores tensors it is given (no hivemind, not even through what it imports), and ``config.py`` sits
+under the chain facade. Read from the source with ``ast``: nothing is imported or run.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "template"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "template"
+# the programs around the package: what each may import besides the package (never each other, never the tests)
+PROGRAMS = {"neurons": {"neurons"}, "scripts": {"scripts"}, "benchmarks": {"benchmarks"}}
 
 # layer -> the layers it may import (itself included). A layer is template/<name>/ or template/<name>.py.
 ALLOWED = {
@@ -20,11 +24,12 @@ ALLOWED = {
     "protocol": set(),
     "chain": {"chain", "config"},
     "p2p": {"p2p", "chain", "config", "protocol"},
-    "training": {"training", "p2p", "config", "protocol"},
+    "allreduce": {"allreduce", "p2p", "config", "protocol"},
+    "training": {"training", "allreduce", "p2p", "config", "protocol"},
     "validation": {"validation", "training", "config", "protocol"},
     "tools": {"tools", "training", "config"},
-    "base": {"base", "validation", "training", "p2p", "chain", "config", "protocol", "__init__"},
-    "localnet": {"localnet", "base", "training", "chain", "config", "protocol"},
+    "base": {"base", "validation", "training", "allreduce", "p2p", "chain", "config", "protocol", "__init__"},
+    "localnet": {"localnet", "base", "training", "allreduce", "chain", "config", "protocol"},
 }
 
 
@@ -92,14 +97,35 @@ def test_validation_reaches_no_hivemind_even_through_what_it_imports():
     assert any(layer_of(m) == "training" for m in seen)  # the walk did follow validation into training
 
 
+def program_violations() -> list[str]:
+    """Imports between the programs (neurons, scripts, benchmarks), of the tests, or of a program by the package."""
+    found = []
+    for folder, allowed in PROGRAMS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            for target in imports_of(path):
+                top = target.split(".")[0]
+                if top in set(PROGRAMS) - allowed or top == "tests":
+                    found.append(f"{path.relative_to(REPO)} imports {target}")
+    for module, imported in graph().items():
+        found += [f"{module} imports {t}" for t in imported if t.split(".")[0] in {*PROGRAMS, "tests"}]
+    return sorted(found)
+
+
+def test_neurons_scripts_and_benchmarks_import_the_package_not_each_other():
+    violations = program_violations()
+    assert not violations, "\n".join(violations)
+    # and each of them does use the package (the walk above read real files)
+    for folder in PROGRAMS:
+        assert any(t.startswith("template.") for p in (REPO / folder).rglob("*.py") for t in imports_of(p)), folder
+
+
 def test_the_check_catches_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from template.base.neuron import StopFlag\nimport template.chain.client\n")
     modules = {"template.training.bad": imports_of(bad), "template.config": {"template.chain.client"}}
+    allowed = "['allreduce', 'config', 'p2p', 'protocol', 'training']"
     assert upward_imports(modules) == [
         "template.config imports template.chain.client (config may import [])",
-        "template.training.bad imports template.base.neuron (training may import ['config', 'p2p', 'protocol', "
-        "'training'])",
-        "template.training.bad imports template.chain.client (training may import ['config', 'p2p', 'protocol', "
-        "'training'])",
+        f"template.training.bad imports template.base.neuron (training may import {allowed})",
+        f"template.training.bad imports template.chain.client (training may import {allowed})",
     ]

@@ -22,6 +22,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import template.protocol
+from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, get_codec
+from template.allreduce.contribution import (
+    Commitment,
+    EncodedContribution,
+    codec_descriptor,
+    encode_contribution,
+    leaf_digest,
+    merkle_root,
+)
 from template.base.audit import ReadPublication, read_publication
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
@@ -49,15 +58,6 @@ from template.protocol import (
     ReplyStatus,
     check_payload,
     payload_size_limit,
-)
-from template.training.codecs import CODEC_NAMES, SegmentCodec, get_codec
-from template.training.contribution import (
-    Commitment,
-    EncodedContribution,
-    codec_descriptor,
-    encode_contribution,
-    leaf_digest,
-    merkle_root,
 )
 from tests.integration.p2p_helpers import commit_peer_id
 

@@ -232,17 +232,11 @@ HANDLERS: dict[str, dict[str, Limited | Gap]] = {
                          "tests/faults/test_rpc_limits.py::test_an_outsiders_parts_are_refused_by_the_group",
                          "tests/integration/test_averaging.py::test_reducer_drops_bad_parts_and_clips_to_the_lower_median")),
     },
-    "CheckedAllReduceRunner.rpc_aggregate_part": {  # called by CheckedAverager.rpc_aggregate_part in-process
-        "size": _HIVEMIND_FRAMING,
-        "rate": Limited("members of this group only, one stream each",
-                        ("tests/faults/test_rpc_limits.py::test_an_outsiders_parts_are_refused_by_the_group",)),
-    },
 }
 KNOWN_GAPS = {
     ("CheckedAverager.rpc_join_group", "size"),
     ("CheckedAverager.rpc_download_state", "size"),
     ("CheckedAverager.rpc_aggregate_part", "size"),
-    ("CheckedAllReduceRunner.rpc_aggregate_part", "size"),
 }
 _REGISTRATIONS = ("add_binary_stream_handler", "add_protobuf_handler", "add_p2p_handlers")
 

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from template.training.codecs import SegmentCodec, encode_segments
+from template.allreduce.codecs import SegmentCodec, encode_segments, segment_slices
 
 _LEAF = b"diloco/segment\x00"
 _NODE = b"diloco/node\x00"
@@ -142,6 +142,11 @@ def segment_bounds(numel: int, segment_values: int, index: int) -> tuple[int, in
     """Values [start, stop) of the flat vector that segment ``index`` holds."""
     start = index * segment_values
     return start, min(start + segment_values, numel)
+
+
+def encoded_sizes(codec: SegmentCodec, numel: int) -> list[int]:
+    """The byte size of each encoded segment of a ``numel``-value contribution (every codec is fixed-size)."""
+    return [codec.encoded_size(values.stop - values.start) for values in segment_slices(numel, codec.segment_values)]
 
 
 @dataclass(frozen=True)

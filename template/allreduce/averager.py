@@ -11,11 +11,11 @@ those same bytes to every peer of the group, so all peers that succeed hold **bi
 codec. Auxiliary peers (validators) contribute nothing and receive exactly the same bytes as the contributors.
 The parts live in their own modules, each readable alone:
 
-- :mod:`template.training.part_reducer`: the owner's rule for one part (which contributions count, clipping,
+- :mod:`template.allreduce.segment_reducer`: the owner's rule for one part (which contributions count, clipping,
   the weight cap, the weighted mean, compress once);
-- :mod:`template.training.allreduce_runner`: the all-reduce of one group (streaming parts to owners, serving
+- :mod:`template.allreduce.runner`: the all-reduce of one group (streaming parts to owners, serving
   this peer's share, collecting the averaged parts, the report of who was included);
-- :mod:`template.training.checked_averager`: the ``DecentralizedAverager`` subclass that runs in the averager
+- :mod:`template.allreduce.averager_process`: the ``DecentralizedAverager`` subclass that runs in the averager
   process (matchmaking, rate limits on its handlers, partial results refused);
 - this module: the host process side (starting and stopping the averager process, handing over tensors,
   deadlines, retries before an all-reduce starts, state downloads).
@@ -38,7 +38,7 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
   (logged); the all-reduce handler serves members of a running group only.
 
 Every peer of a run must use this code: its wire protocol differs from stock hivemind's (see
-:mod:`template.training.checked_averager`).
+:mod:`template.allreduce.averager_process`).
 """
 
 from __future__ import annotations
@@ -54,13 +54,11 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging.control import StepControl
-from hivemind.utils import get_dht_time
 
-from template.p2p.keys import ephemeral_signer, verify_signature
-from template.training.allreduce_runner import AllReduceFaults, SegmentLayout
-from template.training.checked_averager import CheckedAverager, ContributionBuffer, StateProvider
-from template.training.codecs import CODEC_NAMES, SegmentCodec, get_codec
-from template.training.contribution import (
+from template.allreduce.averager_process import CheckedAverager, ContributionBuffer, StateProvider
+from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, get_codec
+from template.allreduce.confirmation import confirm_shares
+from template.allreduce.contribution import (
     Commitment,
     EncodedContribution,
     Signer,
@@ -70,14 +68,13 @@ from template.training.contribution import (
     shaped,
     sign_statements,
 )
-from template.training.segment_messages import certificate_bytes
+from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
+from template.allreduce.terms import AllReduceFaults, SegmentLayout
+from template.p2p.keys import ephemeral_signer, verify_signature
 
 __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "PseudoGradientAverager", "StateProvider"]
 
 logger = logging.getLogger(__name__)
-
-CONFIRMATION_TTL_S = 120.0  # how long members' confirmation records live in the DHT
-CONFIRMATION_POLL_S = 0.2
 
 
 @dataclass
@@ -137,10 +134,14 @@ class AveragingResult:
     reason: str  # "" when ok, else why not
     bytes_received: int = 0
     weights: dict[str, float] = field(default_factory=dict)  # peer id -> announced weight (0 for auxiliaries)
-    coverage: dict[str, float] = field(default_factory=dict)  # sender -> fraction of segments that included it
     group_id: str = ""  # hex; peers with ok=True and the same group_id hold identical bytes
     commitments: dict[str, dict] = field(default_factory=dict)  # sender -> its signed commitment (wire form)
-    audit: dict[str, Any] = field(default_factory=dict)  # senders, ranges, per-segment records, certificates
+    evidence: AllReduceEvidence = field(default_factory=AllReduceEvidence)  # what this member saw (validators audit)
+
+    @property
+    def coverage(self) -> dict[str, float]:
+        """Sender -> the fraction of the vector's segments whose average includes it."""
+        return self.evidence.coverage()
 
 
 @dataclass
@@ -156,7 +157,7 @@ class AveragingHandle:
 
 class PseudoGradientAverager:
     """Average pseudo-gradients (lists of CPU float32 tensors) with a group of peers, weighted by tokens, each peer's
-    contribution encoded once, committed and signed (:mod:`template.training.contribution`).
+    contribution encoded once, committed and signed (:mod:`template.allreduce.contribution`).
 
     One step at a time: :meth:`contribute` encodes, :meth:`begin` commits and starts matchmaking, :meth:`finish`
     runs the all-reduce and the members' confirmation and returns by its deadline; :meth:`average` does all three.
@@ -315,10 +316,16 @@ class PseudoGradientAverager:
                 logger.info("averaging step failed before the all-reduce (%r); looking for a group again", e)
                 control = self._step(handle.weight, handle.gather, retry_at, deadline, require_trigger=False)
 
-        report, gathered = outcome["report"], outcome["gathered"]
-        conflicts = self._confirm(report, gathered, handle, deadline)
-        reason = report["failure"] or (f"owner(s) {conflicts} sent different members different signed shares: "
-                                       "round refused by all" if conflicts else "")
+        report: AllReduceReport = outcome["report"]
+        gathered = outcome["gathered"]
+        evidence = report.evidence
+        evidence.conflicts = confirm_shares(
+            self.dht, f"{self.config.prefix}_confirm_{report.group_id.hex()}", self.peer_id, evidence,
+            report.group_id, gathered, handle.gather["terms"], self.verify,
+            until=min(deadline, time.time() + self.config.confirmation_time))
+        conflicts = list(evidence.conflicts)
+        reason = report.failure or (f"owner(s) {conflicts} sent different members different signed shares: "
+                                    "round refused by all" if conflicts else "")
         averaged: list[torch.Tensor] | None = None
         if not reason:
             flat: list[torch.Tensor] = []
@@ -326,23 +333,20 @@ class PseudoGradientAverager:
                 averaged = shaped(flat[0], self.shapes)
             else:
                 reason = "the averaged result could not be read before the deadline"
-        audit = {key: report[key] for key in ("senders", "ranges", "segments", "certificates", "failed_owners")}
-        audit["conflicts"] = conflicts
         return AveragingResult(
             ok=not reason,
             averaged=averaged,
             group={peer: data.get("data") if isinstance(data, dict) else None for peer, data in gathered.items()},
             group_size=len(gathered),
             seconds=time.monotonic() - started,
-            bytes_sent=report["bytes_sent"],
+            bytes_sent=report.bytes_sent,
             reason=reason,
-            bytes_received=report["bytes_received"],
+            bytes_received=report.bytes_received,
             weights={peer: _weight_of(data) for peer, data in gathered.items()},
-            coverage=report["coverage"],
-            group_id=report["group_id"],
+            group_id=report.group_id.hex(),
             commitments={peer: data["commitment"] for peer, data in gathered.items()
                          if isinstance(data, dict) and isinstance(data.get("commitment"), dict)},
-            audit=audit,
+            evidence=evidence,
         )
 
     def average(
@@ -354,45 +358,6 @@ class PseudoGradientAverager:
         if scheduled_time >= deadline:
             return AveragingResult(False, None, {}, 0, 0.0, 0, "deadline is shorter than matchmaking_time")
         return self.finish(self.begin(tensors, weight, gather, scheduled_time, deadline, round=round), deadline)
-
-    # -- the members' confirmation --------------------------------------------------------------------------
-
-    def _confirm(self, report: dict, gathered: dict, handle: AveragingHandle, deadline: float) -> list[int]:
-        """After the all-reduce: every member posts the owners' signed certificates it received, then reads the
-        others' (until all members posted, ``confirmation_time`` passed, or the deadline). Two validly signed
-        certificates of one owner that differ — it sent different bytes to different members, or averaged
-        against other commitments — make every member that sees them refuse the round. Returns those owners."""
-        certificates = report.get("certificates", {})
-        if not report.get("group_id"):
-            return []
-        key = f"{self.config.prefix}_confirm_{report['group_id']}"
-        ours = {owner: [c["digest"], c["commitments"], c["signature"]] for owner, c in certificates.items()}
-        expiration = get_dht_time() + CONFIRMATION_TTL_S
-        try:
-            self.dht.store(key, ours, expiration_time=expiration, subkey=self.peer_id)
-        except Exception as err:  # a DHT hiccup must not fail the round: we just do not confirm
-            logger.warning("could not post our confirmation: %r", err)
-            return []
-        keys = _owner_keys(report, gathered)
-        terms = handle.gather["terms"]
-        group_id = bytes.fromhex(report["group_id"])
-        until = min(deadline, time.time() + self.config.confirmation_time)
-        while True:
-            found = self.dht.get(key, latest=True)
-            entries = found.value if found is not None and isinstance(found.value, dict) else {}
-            seen: dict[str, set[tuple[str, str]]] = {}
-            for entry in entries.values():
-                record = getattr(entry, "value", None)
-                for owner, claim in (record.items() if isinstance(record, dict) else []):
-                    if _valid_certificate(owner, claim, keys, report, terms, group_id, self.verify):
-                        seen.setdefault(owner, set()).add((claim[0], claim[1]))
-            conflicts = sorted(int(owner) for owner, claims in seen.items() if len(claims) > 1)
-            if conflicts:
-                logger.warning("owners %s signed different shares for different members: round refused", conflicts)
-                return conflicts
-            if len(entries) >= len(gathered) or time.time() >= until:
-                return []
-            time.sleep(CONFIRMATION_POLL_S)
 
     def set_state_priority(self, priority: float) -> None:
         """Peers loading state pick the sharing peer with the highest priority: pass e.g. the round number."""
@@ -455,33 +420,6 @@ class PseudoGradientAverager:
     def _failure(self, started: float, reason: str) -> AveragingResult:
         logger.warning("averaging failed: %s", reason)
         return AveragingResult(False, None, {}, 0, time.monotonic() - started, 0, reason)
-
-
-def _owner_keys(report: dict, gathered: dict) -> dict[str, str]:
-    """owner index (as a string) -> the key that signs its certificates: the key of its commitment."""
-    senders, keys = report.get("senders", []), {}
-    members = list(gathered)
-    for index, peer in enumerate(members):
-        data = gathered[peer]
-        commitment = data.get("commitment") if isinstance(data, dict) else None
-        if peer in senders and isinstance(commitment, dict) and isinstance(commitment.get("key"), str):
-            keys[str(index)] = commitment["key"]
-    return keys
-
-
-def _valid_certificate(owner: Any, claim: Any, keys: dict[str, str], report: dict, terms: dict, group_id: bytes,
-                       verify: Verifier) -> bool:
-    """Whether ``claim`` ([digest, commitments, signature] in hex) is ``owner``'s valid signature of its share."""
-    ranges = report.get("ranges", [])
-    try:
-        index = int(owner)
-        digest, commitments, signature = (bytes.fromhex(part) for part in claim)
-        start, stop = ranges[index]
-        message = certificate_bytes(terms["scope"], terms["round"], group_id, index, start, stop, digest, commitments)
-    except (TypeError, ValueError, IndexError, KeyError):
-        return False
-    key = keys.get(str(index))
-    return key is not None and verify(key, message, signature)
 
 
 def _weight_of(gathered: Any) -> float:

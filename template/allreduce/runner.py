@@ -1,19 +1,19 @@
 """The all-reduce runner of the accountable all-reduce: moves one group's segments between its members.
 
 Protocol part (one all-reduce in one group, once hivemind matchmaking has formed it and every member's gathered data
-carries its signed :class:`~template.training.contribution.Commitment`): the flat vector is cut into segments
+carries its signed :class:`~template.allreduce.contribution.Commitment`): the flat vector is cut into segments
 (:class:`SegmentLayout`); each reducing member *owns* a contiguous range of them, in proportion to hivemind's peer
 fractions. :class:`CheckedAllReduceRunner`
 
-- streams, to every owner, a :class:`~template.training.segment_messages.RangeHeader` (the leaves of the owner's range
+- streams, to every owner, a :class:`~template.allreduce.messages.RangeHeader` (the leaves of the owner's range
   and their Merkle proof) and then each segment of the range with the sender's signed statement of its digest — the
   exact bytes the sender encoded once and committed to; auxiliary members (validators) send one empty placeholder per
   message;
 - serves its own range: checks each sender's header against the sender's signed root, then each segment against its
-  leaf *before* it reaches the :class:`~template.training.part_reducer.CheckedPartReducer`; a segment whose bytes do
+  leaf *before* it reaches the :class:`~template.allreduce.segment_reducer.SegmentReducer`; a segment whose bytes do
   not match is left out of that segment's average and refused — with the sender's own signature as proof when the
   sender signed those bytes, silently otherwise; every member receives the same averaged segments (their bytes, the
-  senders included, the proven refusals), and finally a :class:`~template.training.segment_messages.ShareCertificate`
+  senders included, the proven refusals), and finally a :class:`~template.allreduce.messages.ShareCertificate`
   in which the owner signs the digest of everything it sent;
 - decodes what every owner returns into the output vector, checks each certificate, and keeps an audit of the round
   (:meth:`CheckedAllReduceRunner.report`): who was included in which segment, the proven refusals, the digest of every
@@ -43,32 +43,25 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter, attach_event_on_finished
 
-from template.training.codecs import CodecError, SegmentCodec
-from template.training.contribution import (
-    Commitment,
+from template.allreduce.codecs import CodecError
+from template.allreduce.contribution import (
     ContributionError,
-    Signer,
-    Verifier,
     leaf_digest,
     merkle_levels,
     range_proof,
     root_from_range,
-    segment_bounds,
-    segment_count,
     statement_bytes,
 )
-from template.training.part_reducer import CheckedPartReducer, Contribution, PartResult
-from template.training.reduction import SegmentInput
-from template.training.segment_messages import (
+from template.allreduce.evidence import AllReduceEvidence, AllReduceReport, OwnerCertificate, SegmentRecord
+from template.allreduce.messages import (
     AveragedSegment,
     MessageError,
     RangeHeader,
@@ -78,89 +71,13 @@ from template.training.segment_messages import (
     certificate_bytes,
     segments_digest,
 )
+from template.allreduce.reduction import SegmentInput
+from template.allreduce.segment_reducer import Contribution, SegmentReducer, SegmentResult
+from template.allreduce.terms import OwnContribution, RoundTerms
 
-__all__ = ["AllReduceFaults", "CheckedAllReduceRunner", "OwnContribution", "RoundTerms", "SegmentLayout"]
+__all__ = ["CheckedAllReduceRunner"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SegmentLayout:
-    """How the flat vector is cut into segments, and which member owns which segments."""
-
-    numel: int
-    segment_values: int
-
-    @property
-    def count(self) -> int:
-        return segment_count(self.numel, self.segment_values)
-
-    def numel_of(self, index: int) -> int:
-        start, stop = segment_bounds(self.numel, self.segment_values, index)
-        return stop - start
-
-    def values(self, start: int, stop: int) -> tuple[int, int]:
-        """The flat values [first, last) of segments [start, stop)."""
-        return start * self.segment_values, min(stop * self.segment_values, self.numel)
-
-    def ranges(self, peer_fractions: Sequence[float]) -> list[tuple[int, int]]:
-        """Contiguous segment ranges in proportion to the fractions (members with fraction 0 own nothing)."""
-        total = sum(peer_fractions)
-        bounds, acc = [0], 0.0
-        for fraction in peer_fractions:
-            acc += fraction
-            bounds.append(round(self.count * acc / total) if total > 0 else 0)
-        bounds[-1] = self.count
-        return [(bounds[i], bounds[i + 1]) for i in range(len(peer_fractions))]
-
-
-@dataclass(frozen=True)
-class OwnContribution:
-    """This sender's encoded segments, their leaves and its signed statements (from the host, via shared memory)."""
-
-    segments: tuple[bytes, ...]
-    leaves: tuple[bytes, ...]
-    statements: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class AllReduceFaults:
-    """Misbehaviours of an adversarial peer (tests and research only; every field off is the honest protocol).
-
-    ``corrupt_segments``: send segment bytes other than the committed ones, with signed statements of them (an
-    equivocator: its refusals carry proof). ``lie``: as an owner, return a wrong average (the negated one) to
-    ``"all"`` members or to ``"some"`` (every other member), signing what it sends. ``frame``: as an owner, refuse the
-    first other sender's segments claiming a mismatch, with a forged "proof".
-    """
-
-    corrupt_segments: bool = False
-    lie: str | None = None
-    frame: bool = False
-
-    def __post_init__(self) -> None:
-        if self.lie not in (None, "all", "some"):
-            raise ValueError("lie must be None, 'all' or 'some'")
-
-
-@dataclass(frozen=True)
-class RoundTerms:
-    """What the members of one all-reduce agree on, besides the group itself."""
-
-    scope: str
-    round: int
-    codec: SegmentCodec
-    layout: SegmentLayout
-    commitments: tuple[Commitment | None, ...]  # per sender (group order); None: malformed or unsigned
-    verify: Verifier
-    signer: Signer | None  # signs this member's certificates as an owner (None: auxiliary members own nothing)
-    faults: AllReduceFaults = field(default_factory=AllReduceFaults)
-
-    @property
-    def commitments_digest(self) -> bytes:
-        digest = hashlib.sha256()
-        for c in self.commitments:
-            digest.update(b"\x00" if c is None else b"\x01" + c.signing_bytes() + c.signature)
-        return digest.digest()
 
 
 def _message(payload: bytes, *, code: int = averaging_pb2.AVERAGED_PART,
@@ -168,8 +85,12 @@ def _message(payload: bytes, *, code: int = averaging_pb2.AVERAGED_PART,
     return averaging_pb2.AveragingData(code=code, tensor_part=runtime_pb2.Tensor(buffer=payload), weight=weight)
 
 
-class CheckedAllReduceRunner(AllReduceRunner):
-    """Butterfly all-reduce of committed segments; each owner sends the same averages to all (module docstring)."""
+class CheckedAllReduceRunner:
+    """Butterfly all-reduce of committed segments; each owner sends the same averages to all (module docstring).
+
+    It replaces hivemind's ``AllReduceRunner`` inside hivemind's averager: the averager routes the groupmates'
+    ``rpc_aggregate_part`` calls for this group to :meth:`rpc_aggregate_part` (by duck typing; nothing is inherited).
+    """
 
     def __init__(
         self,
@@ -189,8 +110,6 @@ class CheckedAllReduceRunner(AllReduceRunner):
         sender_timeout: float,
         reducer_timeout: float,
     ):
-        # deliberately not calling AllReduceRunner.__init__: it builds hivemind's part container and reducer, which
-        # this protocol replaces; the attributes below are the ones its inherited methods use.
         self._p2p, self.peer_id = p2p, p2p.peer_id
         self._servicer_type, self._prefix = servicer_type, prefix
         self.group_id, self.ordered_peer_ids = group_id, tuple(ordered_peer_ids)
@@ -218,7 +137,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
         self.my_index = self.ordered_peer_ids.index(self.peer_id)
         self.my_range = self.ranges[self.my_index]
         weight_by_peer = dict(zip(self.ordered_peer_ids, announced_weights, strict=True))
-        self.tensor_part_reducer = CheckedPartReducer(
+        self.reducer = SegmentReducer(
             [layout.numel_of(k) for k in range(*self.my_range)],
             [str(p) for p in self.sender_peer_ids],
             [weight_by_peer[p] for p in self.sender_peer_ids],
@@ -227,12 +146,11 @@ class CheckedAllReduceRunner(AllReduceRunner):
         )
         self.output = torch.zeros(layout.numel, dtype=torch.float32)
         self.registered = [False] * layout.count  # which segments of the output hold a verified average
-        self.audit: dict[int, dict] = {}  # segment -> included, refusals, digest (of the averaged bytes)
-        self.certificates: dict[int, dict] = {}  # owner index -> its certificate (hex fields)
-        self.failed_owners: dict[str, str] = {}  # owner peer id -> why its share failed
-        self.owns_parts = self.my_range[1] > self.my_range[0]
+        self.evidence = AllReduceEvidence(senders=tuple(str(p) for p in self.sender_peer_ids),
+                                          ranges=tuple(tuple(r) for r in self.ranges))
+        self.owns_segments = self.my_range[1] > self.my_range[0]
         # peers that still have to fetch (and send) this peer's share before it may finish
-        self._unserved = {p for p in self.ordered_peer_ids if p != self.peer_id} if self.owns_parts else set()
+        self._unserved = {p for p in self.ordered_peer_ids if p != self.peer_id} if self.owns_segments else set()
         self._all_served = asyncio.Event()
         if not self._unserved:
             self._all_served.set()
@@ -246,7 +164,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
         """Send segments to owners, serve our range, collect every owner's averages; returns when all arrived or
         failed (see :meth:`report`)."""
         pending_tasks = set()
-        if self.owns_parts:
+        if self.owns_segments:
             pending_tasks.add(asyncio.create_task(self._handle_missing_senders()))
         try:
             owners = [(i, p) for i, p in enumerate(self.ordered_peer_ids) if self.ranges[i][1] > self.ranges[i][0]]
@@ -283,7 +201,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
                 self._future.set_exception(exception)
             else:
                 self._future.set_result(None)
-            self.tensor_part_reducer.finalize()
+            self.reducer.finalize()
 
     # --------------------------------------------------------------------------------- receiving averages
 
@@ -293,9 +211,8 @@ class CheckedAllReduceRunner(AllReduceRunner):
             raise AllreduceException(f"owner {owner} sent {decoded.numel()} values for segment {segment}")
         self.output[start:stop] = decoded
         self.registered[segment] = True
-        self.audit[segment] = dict(owner=owner, included=list(averaged.included),
-                                   digest=hashlib.sha256(averaged.data).hexdigest(),
-                                   refusals=[[r.sender, r.leaf.hex(), r.signature.hex()] for r in averaged.refusals])
+        self.evidence.segments[segment] = SegmentRecord(owner, tuple(averaged.included),
+                                                        hashlib.sha256(averaged.data).digest(), averaged.refusals)
 
     def _check_certificate(self, owner: int, certificate: ShareCertificate, received: list[bytes]) -> None:
         """The owner's signature must cover exactly the packed segments we received, and our commitments."""
@@ -310,8 +227,8 @@ class CheckedAllReduceRunner(AllReduceRunner):
             raise AllreduceException(f"owner {owner}'s certificate does not match what it sent")
         if certificate.commitments != self.terms.commitments_digest:
             raise AllreduceException(f"owner {owner} averaged against other commitments than ours")
-        self.certificates[owner] = dict(digest=certificate.digest.hex(), commitments=certificate.commitments.hex(),
-                                        signature=certificate.signature.hex(), start=start, stop=stop)
+        self.evidence.certificates[owner] = OwnerCertificate(certificate.digest, certificate.commitments,
+                                                             certificate.signature, start, stop)
 
     async def _communicate_with_owner(self, owner: int, peer_id: PeerID) -> None:
         """Send our segments of ``owner``'s range and register the averages it returns (or serve our own range)."""
@@ -322,7 +239,8 @@ class CheckedAllReduceRunner(AllReduceRunner):
                 return
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_owner(owner), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            stub = self._servicer_type.get_stub(self._p2p, peer_id, namespace=self._prefix)
+            stream = await stub.rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
             codec, received = self.terms.codec, []
@@ -348,7 +266,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
                 logger.warning("owner %s failed: %s", peer_id, e)
             elif isinstance(e, Exception):
                 logger.debug("failed to get averaged segments from %s: %r", peer_id, e, exc_info=True)
-            self.failed_owners[str(peer_id)] = f"{type(e).__name__}: {e}"
+            self.evidence.failed_owners[str(peer_id)] = f"{type(e).__name__}: {e}"
             raise
 
     async def _average_own_range(self) -> None:
@@ -358,16 +276,15 @@ class CheckedAllReduceRunner(AllReduceRunner):
         sent = []
         for offset, segment in enumerate(range(start, stop)):
             contribution = Contribution(sender, SegmentInput(sender, self.own.segments[segment], self.weight))
-            result = await self.tensor_part_reducer.accumulate_part(contribution, offset)
+            result = await self.reducer.accumulate(contribution, offset)
             averaged = self._as_sent_to(self.my_index, result)
             decoded = result.decoded if averaged is result.averaged else self.terms.codec.decode_average(
                 averaged.data, result.decoded.numel())
             self._register(self.my_index, segment, averaged, decoded)
             sent.append(averaged.pack(len(self.sender_peer_ids)))
         certificate = self._certificate(sent)
-        self.certificates[self.my_index] = dict(digest=certificate.digest.hex(),
-                                                commitments=certificate.commitments.hex(),
-                                                signature=certificate.signature.hex(), start=start, stop=stop)
+        self.evidence.certificates[self.my_index] = OwnerCertificate(certificate.digest, certificate.commitments,
+                                                                     certificate.signature, start, stop)
 
     def _certificate(self, sent: list[bytes]) -> ShareCertificate:
         """The owner's signature over the packed averaged segments it sent one member, and the commitments used."""
@@ -479,7 +396,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
 
     async def _serve(self, stream, sender_index: int | None, receiver: int):
         """One member's stream: its header and segments in, the averages and our certificate out."""
-        reducer, (start, stop) = self.tensor_part_reducer, self.my_range
+        reducer, (start, stop) = self.reducer, self.my_range
         sent: list[bytes] = []
         offset = 0
         try:
@@ -495,7 +412,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
                     contribution = await asyncio.get_event_loop().run_in_executor(
                         None, self._check_segment, sender_index, start + offset, message)
                     try:
-                        result = await reducer.accumulate_part(contribution, offset)
+                        result = await reducer.accumulate(contribution, offset)
                     except BannedException:
                         break
                 averaged = self._as_sent_to(receiver, result)
@@ -506,7 +423,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
             if offset == stop - start:
                 yield _message(self._certificate(sent).pack())
         finally:
-            if sender_index is not None and offset != reducer.num_parts:
+            if sender_index is not None and offset != reducer.num_segments:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
     def _verify_header(self, sender: int, message: averaging_pb2.AveragingData) -> None:
@@ -547,7 +464,7 @@ class CheckedAllReduceRunner(AllReduceRunner):
         others = [s for s, p in enumerate(self.sender_peer_ids) if p != self.peer_id]
         return others[0] if others else None
 
-    def _as_sent_to(self, receiver: int, result: PartResult) -> AveragedSegment:
+    def _as_sent_to(self, receiver: int, result: SegmentResult) -> AveragedSegment:
         """What this owner sends ``receiver`` (AllReduceFaults.lie: a negated average, to all members — itself too,
         a consistent liar — or to every other one)."""
         lie = self.terms.faults.lie
@@ -565,8 +482,25 @@ class CheckedAllReduceRunner(AllReduceRunner):
             return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
         return None
 
+    def should_delay_results(self, peer_id: PeerID) -> bool:
+        """A member that owns nothing gets its averages only after it finished sending (hivemind's flow control)."""
+        return self.peer_fractions[self.ordered_peer_ids.index(peer_id)] == 0
+
+    async def _handle_missing_senders(self) -> None:
+        """Senders that have not started sending within ``sender_timeout`` are banned: nobody waits for them."""
+        try:
+            await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
+        except asyncio.TimeoutError:
+            for peer_id in self.sender_peer_ids:
+                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+                    await self._ban_sender(peer_id)
+
     async def _ban_sender(self, peer_id: PeerID) -> None:
-        await super()._ban_sender(peer_id)
+        """Exclude ``peer_id`` from every segment of our range it has not delivered yet."""
+        async with self.banlock:
+            if peer_id not in self.banned_senders:
+                self.banned_senders.add(peer_id)
+                self.reducer.on_sender_failed(self.sender_peer_ids.index(peer_id))
         self._mark_served(peer_id)
 
     def _mark_served(self, peer_id: PeerID) -> None:
@@ -576,27 +510,18 @@ class CheckedAllReduceRunner(AllReduceRunner):
 
     # ----------------------------------------------------------------------------------------------- report
 
-    def report(self) -> dict:
-        """What this peer can say about the round; plain types, it crosses the process boundary."""
-        layout, reducer = self.terms.layout, self.tensor_part_reducer
-        failed = sum(layout.numel_of(k) for k in range(layout.count) if not self.registered[k])
-        included = [0] * len(self.sender_peer_ids)
-        for record in self.audit.values():
-            for sender in record["included"]:
-                included[sender] += 1
-        return dict(
+    def report(self) -> AllReduceReport:
+        """What this peer can say about the round (its evidence and counters)."""
+        layout, reducer = self.terms.layout, self.reducer
+        return AllReduceReport(
+            group_id=self.group_id,
+            evidence=self.evidence,
             values_total=layout.numel,
-            values_failed=failed,
-            coverage={str(p): included[s] / layout.count for s, p in enumerate(self.sender_peer_ids)},
-            share_parts_expected=reducer.num_parts * reducer.num_senders,
-            share_parts_received=reducer.parts_received,
+            values_failed=sum(layout.numel_of(k) for k in range(layout.count) if not self.registered[k]),
+            segments_expected=reducer.num_segments * reducer.num_senders,
+            segments_received=reducer.segments_received,
             dropped=list(reducer.dropped),
             clipped=list(reducer.clipped),
-            failed_owners=dict(self.failed_owners),
-            senders=[str(p) for p in self.sender_peer_ids],
-            ranges=[list(r) for r in self.ranges],
-            segments={str(k): v for k, v in sorted(self.audit.items())},
-            certificates={str(k): v for k, v in sorted(self.certificates.items())},
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
         )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from template.training.codecs import CodecError, SegmentCodec
+from template.allreduce.codecs import CodecError, SegmentCodec
 
 # A sender's weight (tokens) counts at most this many times the lower median of the group's announced weights.
 WEIGHT_CAP_MULTIPLE = 4.0

@@ -1,16 +1,16 @@
-"""The part owner of the accountable all-reduce: turns its groupmates' verified segments into one average each.
+"""The owner of segments in the accountable all-reduce: turns its groupmates' verified segments into one average each.
 
 Protocol part: in a butterfly all-reduce each reducing peer *owns* a contiguous range of segments of the flat vector
-(the runner in :mod:`template.training.allreduce_runner` moves the bytes and checks every sender's segment against
-its signed root before handing it here). For each owned segment, :class:`CheckedPartReducer` waits for every live
-sender, then applies the owner's rule (:func:`template.training.reduction.reduce_segment`: drop what does not decode,
+(the runner in :mod:`template.allreduce.runner` moves the bytes and checks every sender's segment against
+its signed root before handing it here). For each owned segment, :class:`SegmentReducer` waits for every live
+sender, then applies the owner's rule (:func:`template.allreduce.reduction.reduce_segment`: drop what does not decode,
 is not finite or carries another weight than announced; clip norms to a multiple of the lower median; cap weights;
-float64 weighted mean; encode once), and hands out the same :class:`~template.training.segment_messages.AveragedSegment`
+float64 weighted mean; encode once), and hands out the same :class:`~template.allreduce.messages.AveragedSegment`
 — with the senders it includes and the refusals it can prove — for every member of the group.
 
 What is guaranteed when a sender disappears or misbehaves:
 
-- A sender that stops sending (the runner calls :meth:`CheckedPartReducer.on_sender_failed`) is excluded from the
+- A sender that stops sending (the runner calls :meth:`SegmentReducer.on_sender_failed`) is excluded from the
   segments it had not delivered yet; segments that it did deliver keep its contribution. No segment ever waits for a
   contribution that will not come. Either way, the owner's bytes are the same for everyone.
 - A refused or unusable contribution is left out of its segment and reported; a segment with no valid contribution,
@@ -31,17 +31,17 @@ from dataclasses import dataclass
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException
 
-from template.training.codecs import SegmentCodec
-from template.training.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
-from template.training.segment_messages import AveragedSegment, Refusal
+from template.allreduce.codecs import SegmentCodec
+from template.allreduce.messages import AveragedSegment, Refusal
+from template.allreduce.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
 
-__all__ = ["CheckedPartReducer", "Contribution", "PartResult"]
+__all__ = ["SegmentReducer", "Contribution", "SegmentResult"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PartResult:
+class SegmentResult:
     averaged: AveragedSegment  # the same for every member of the group
     decoded: torch.Tensor  # what every member writes into its result for this segment
 
@@ -55,63 +55,63 @@ class Contribution:
     refusal: Refusal | None = None
 
 
-class CheckedPartReducer:
-    """Reduces this peer's share of parts: validate, clip, weighted-mean, compress once (module docstring).
+class SegmentReducer:
+    """Reduces this peer's share of segments: validate, clip, weighted-mean, compress once (module docstring).
 
-    Like hivemind's ``TensorPartReducer`` it keeps senders in lock-step (a sender may submit part p only after
-    part p-1 is reduced), so memory is one part per sender; unlike it, results of every part stay available
+    Like hivemind's ``TensorPartReducer`` it keeps senders in lock-step (a sender may submit segment p only after
+    segment p-1 is reduced), so memory is one segment per sender; unlike it, results of every segment stay available
     until the runner finishes, so auxiliary receivers may fetch them at their own pace.
     """
 
     def __init__(
         self,
-        part_numels: Sequence[int],
+        segment_numels: Sequence[int],
         sender_names: Sequence[str],
         announced_weights: Sequence[float | None],
         codec: SegmentCodec,
         clip_multiple: float | None,
     ):
-        self.part_numels, self.num_parts = tuple(part_numels), len(part_numels)
+        self.segment_numels, self.num_segments = tuple(segment_numels), len(segment_numels)
         self.sender_names, self.num_senders = tuple(sender_names), len(sender_names)
         self.announced_weights, self.codec, self.clip_multiple = tuple(announced_weights), codec, clip_multiple
         # the same for every owner (everyone sees the same announced weights), so every segment is weighted alike
         self.weight_cap = weight_cap(announced_weights)
         loop = asyncio.get_event_loop()
-        self.results: list[asyncio.Future[PartResult]] = [loop.create_future() for _ in range(self.num_parts)]
-        self.current_part_index = 0
-        self.num_parts_received = [0] * self.num_senders
+        self.results: list[asyncio.Future[SegmentResult]] = [loop.create_future() for _ in range(self.num_segments)]
+        self.current_segment = 0
+        self.num_segments_received = [0] * self.num_senders
         self.sender_failed_after = [math.inf] * self.num_senders
         self.finished = asyncio.Event()
-        self.dropped: list[tuple[str, int, str]] = []  # (sender, part, reason)
-        self.clipped: list[tuple[str, int, float]] = []  # (sender, part, factor)
+        self.dropped: list[tuple[str, int, str]] = []  # (sender, segment, reason)
+        self.clipped: list[tuple[str, int, float]] = []  # (sender, segment, factor)
         self._pending: dict[int, Contribution] = {}
         self._reducing: asyncio.Task | None = None
-        if self.num_parts == 0:
+        if self.num_segments == 0:
             self.finished.set()
 
-    async def accumulate_part(self, contribution: Contribution, part_index: int) -> PartResult:
+    async def accumulate(self, contribution: Contribution, segment: int) -> SegmentResult:
         sender = contribution.sender
-        if part_index >= self.num_parts or part_index != self.num_parts_received[sender]:
-            raise AllreduceException(f"sender {self.sender_names[sender]} sent part {part_index} out of order")
-        while part_index > self.current_part_index and not self.finished.is_set():  # lock-step
-            await self._wait_any(self.results[self.current_part_index])
+        if segment >= self.num_segments or segment != self.num_segments_received[sender]:
+            raise AllreduceException(f"sender {self.sender_names[sender]} sent segment {segment} out of order")
+        while segment > self.current_segment and not self.finished.is_set():  # lock-step
+            await self._wait_any(self.results[self.current_segment])
         if self.sender_failed_after[sender] != math.inf:
             raise BannedException(f"sender {self.sender_names[sender]} was banned")
         # counting and storing happen together (no await in between): a ban at any moment then excludes
-        # exactly the parts whose data we do not hold, so no part can wait for a contribution that never comes
-        self.num_parts_received[sender] += 1
+        # exactly the segments whose data we do not hold, so no segment can wait for a contribution that never comes
+        self.num_segments_received[sender] += 1
         self._pending[sender] = contribution
         self._maybe_reduce()
-        return await self.result(part_index)
+        return await self.result(segment)
 
-    async def result(self, part_index: int) -> PartResult:
-        """The reduced part (for senders and receivers alike); raises if the part failed or the runner ended."""
-        if not 0 <= part_index < self.num_parts:
-            raise AllreduceException(f"part {part_index} does not exist")
-        await self._wait_any(self.results[part_index])
-        if not self.results[part_index].done():
-            raise AllreduceException("all-reduce was terminated before this part was reduced")
-        return self.results[part_index].result()
+    async def result(self, segment: int) -> SegmentResult:
+        """The reduced segment (for senders and receivers alike); raises if the segment failed or the runner ended."""
+        if not 0 <= segment < self.num_segments:
+            raise AllreduceException(f"segment {segment} does not exist")
+        await self._wait_any(self.results[segment])
+        if not self.results[segment].done():
+            raise AllreduceException("all-reduce was terminated before this segment was reduced")
+        return self.results[segment].result()
 
     async def _wait_any(self, future: asyncio.Future) -> None:
         """Wait for ``future`` or for the reducer to finish. (``asyncio.wait`` never cancels what it waits on, so
@@ -123,57 +123,57 @@ class CheckedPartReducer:
             finished.cancel()
 
     def on_sender_failed(self, sender: int) -> None:
-        """Exclude a sender from every part it has not submitted yet (hivemind semantics)."""
-        self.sender_failed_after[sender] = self.num_parts_received[sender]
+        """Exclude a sender from every segment it has not submitted yet (hivemind semantics)."""
+        self.sender_failed_after[sender] = self.num_segments_received[sender]
         self._maybe_reduce()
 
     def _maybe_reduce(self) -> None:
-        if self._reducing is not None or self.finished.is_set() or self.current_part_index >= self.num_parts:
+        if self._reducing is not None or self.finished.is_set() or self.current_segment >= self.num_segments:
             return
-        part_index = self.current_part_index
-        expected = [s for s in range(self.num_senders) if part_index < self.sender_failed_after[s]]
+        segment = self.current_segment
+        expected = [s for s in range(self.num_senders) if segment < self.sender_failed_after[s]]
         if any(s not in self._pending for s in expected):
             return
         contributions = [self._pending[s] for s in expected]
         self._pending = {}
-        self._reducing = asyncio.create_task(self._reduce_in_background(part_index, contributions))
+        self._reducing = asyncio.create_task(self._reduce_in_background(segment, contributions))
 
-    async def _reduce_in_background(self, part_index: int, contributions: list[Contribution]) -> None:
-        future = self.results[part_index]
+    async def _reduce_in_background(self, segment: int, contributions: list[Contribution]) -> None:
+        future = self.results[segment]
         try:
-            result = await asyncio.get_event_loop().run_in_executor(None, self._reduce, part_index, contributions)
+            result = await asyncio.get_event_loop().run_in_executor(None, self._reduce, segment, contributions)
             if not future.done():
                 future.set_result(result)
         except Exception as e:
-            logger.warning("part %d of this peer's share failed: %s", part_index, e)
-            _set_exception_quietly(future, AllreduceException(f"part {part_index} failed: {e}"))
+            logger.warning("segment %d of this peer's share failed: %s", segment, e)
+            _set_exception_quietly(future, AllreduceException(f"segment {segment} failed: {e}"))
         finally:
             self._reducing = None
-            self.current_part_index = part_index + 1
-            if self.current_part_index >= self.num_parts:
+            self.current_segment = segment + 1
+            if self.current_segment >= self.num_segments:
                 self.finalize()
             else:
                 self._maybe_reduce()
 
-    def _reduce(self, part_index: int, contributions: list[Contribution]) -> PartResult:
+    def _reduce(self, segment: int, contributions: list[Contribution]) -> SegmentResult:
         """Runs in a worker thread: torch releases the GIL, the event loop keeps streaming."""
         inputs = [c.segment for c in contributions if c.segment is not None]
         refusals = tuple(c.refusal for c in contributions if c.refusal is not None)
         try:
-            reduced = reduce_segment(inputs, self.part_numels[part_index], self.codec, self.announced_weights,
+            reduced = reduce_segment(inputs, self.segment_numels[segment], self.codec, self.announced_weights,
                                      self.clip_multiple, self.weight_cap)
         except NoValidContribution:
             raise AllreduceException("no valid contribution") from None
         for sender, reason in reduced.dropped:
-            self.dropped.append((self.sender_names[sender], part_index, reason))
-            logger.warning("dropped part %d from %s: %s", part_index, self.sender_names[sender], reason)
+            self.dropped.append((self.sender_names[sender], segment, reason))
+            logger.warning("dropped segment %d from %s: %s", segment, self.sender_names[sender], reason)
         for sender, factor in reduced.clipped:
-            self.clipped.append((self.sender_names[sender], part_index, factor))
-            logger.info("clipped part %d from %s by %.3g", part_index, self.sender_names[sender], factor)
-        decoded = self.codec.decode_average(reduced.data, self.part_numels[part_index])
+            self.clipped.append((self.sender_names[sender], segment, factor))
+            logger.info("clipped segment %d from %s by %.3g", segment, self.sender_names[sender], factor)
+        decoded = self.codec.decode_average(reduced.data, self.segment_numels[segment])
         if not bool(torch.isfinite(decoded).all()):
             raise AllreduceException("the average is not finite")
-        return PartResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals), decoded)
+        return SegmentResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals), decoded)
 
     def finalize(self) -> None:
         if self.finished.is_set():
@@ -186,8 +186,8 @@ class CheckedPartReducer:
             self._reducing.cancel()
 
     @property
-    def parts_received(self) -> int:
-        return sum(self.num_parts_received)
+    def segments_received(self) -> int:
+        return sum(self.num_segments_received)
 
 
 def _set_exception_quietly(future: asyncio.Future, exception: BaseException) -> None:

@@ -3,7 +3,7 @@
 Protocol part: :class:`CheckedAverager` keeps hivemind's matchmaking (peers of one ``prefix`` form a group; each
 member's gathered data carries its mode, the weight (tokens) it announces, the terms of the round and its signed
 contribution commitment) and its state sharing, and runs each all-reduce with
-:class:`~template.training.allreduce_runner.CheckedAllReduceRunner` (see :mod:`template.training.allreduce_runner`),
+:class:`~template.allreduce.runner.CheckedAllReduceRunner` (see :mod:`template.allreduce.runner`),
 in the averager's own process. The host hands it this peer's encoded contribution through a shared byte buffer
 (:class:`ContributionBuffer`: segments, leaves, signed statements, written once per round); the averaged vector comes
 back through a shared float buffer, written only when the result is complete, together with the runner's report
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,16 +41,8 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from template.p2p.ratelimit import RateLimiter
-from template.training.allreduce_runner import (
-    AllReduceFaults,
-    CheckedAllReduceRunner,
-    OwnContribution,
-    RoundTerms,
-    SegmentLayout,
-)
-from template.training.codecs import SegmentCodec
-from template.training.contribution import (
+from template.allreduce.codecs import SegmentCodec
+from template.allreduce.contribution import (
     DIGEST_BYTES,
     Commitment,
     ContributionError,
@@ -59,7 +50,13 @@ from template.training.contribution import (
     Signer,
     Verifier,
     codec_descriptor,
+    encoded_sizes,
 )
+from template.allreduce.evidence import AllReduceReport
+from template.allreduce.runner import CheckedAllReduceRunner
+from template.allreduce.terms import AllReduceFaults, OwnContribution, RoundTerms, SegmentLayout
+from template.p2p.hivemind_compat import OwnAllReduceHooks
+from template.p2p.ratelimit import RateLimiter
 
 __all__ = ["CheckedAverager", "ContributionBuffer", "StateProvider", "parse_group"]
 
@@ -80,7 +77,7 @@ class ContributionBuffer:
 
     @property
     def segment_sizes(self) -> list[int]:
-        return [self.codec.encoded_size(self.layout.numel_of(k)) for k in range(self.layout.count)]
+        return encoded_sizes(self.codec, self.layout.numel)
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +135,7 @@ def parse_group(group_info: GroupInfo) -> list[Member]:
     return members
 
 
-class CheckedAverager(DecentralizedAverager):
+class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
     """A ``DecentralizedAverager`` that runs :class:`CheckedAllReduceRunner` and refuses partial results.
 
     Its class name is part of the RPC handle names: every peer of a run must use this class. The two handlers any
@@ -164,7 +161,6 @@ class CheckedAverager(DecentralizedAverager):
         self._buffer, self._signer, self._verify, self._faults = buffer, signer, verify, faults
         self._norm_clip_multiple = norm_clip_multiple
         self._state_provider = state_provider
-        self._reports: dict[bytes, dict] = {}
         self._join_limiter = RateLimiter(max_join_requests_per_minute)  # lives in the averager process
         self._download_limiter = RateLimiter(max_state_downloads_per_minute)
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -191,22 +187,13 @@ class CheckedAverager(DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        return dict(
-            gathered={str(peer): data for peer, data in gathered.items()},
-            report=self._reports.pop(group_info.group_id),
-        )
-
-    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: bytes | None = None, *,
-                                      peer_fractions, weight, sender_timeout, reducer_timeout, **_):
-        group_id = group_info.group_id if group_id is None else group_id
+    async def run_group_allreduce(self, tensors, group_info: GroupInfo, group_id: bytes, *, peer_fractions,
+                                  weight: float, sender_timeout: float, reducer_timeout: float) -> AllReduceReport:
         output, contribution = tensors
         members = parse_group(group_info)
         me = members[group_info.peer_ids.index(self.peer_id)]
-        terms = self._terms(me, members)
         runner = CheckedAllReduceRunner(
-            p2p=self._p2p,
+            p2p=self.p2p,
             servicer_type=type(self),
             prefix=self.prefix,
             group_id=group_id,
@@ -215,31 +202,26 @@ class CheckedAverager(DecentralizedAverager):
             peer_fractions=peer_fractions,
             modes=[m.mode for m in members],
             announced_weights=[m.weight for m in members],
-            terms=terms,
+            terms=self._terms(me, members),
             own=None if me.mode == AveragingMode.AUX else self._buffer.read(contribution),
             clip_multiple=self._norm_clip_multiple,
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
         )
-        assert group_id in self._running_groups, f"group {group_id} was not registered"
-        self._running_groups[group_id].set_result(runner)
-
+        self.serve_runner(group_id, runner)
         await runner.execute()
         report = runner.report()
         # hivemind would call a partial result a success; we report it as a failure (without raising, so that
         # hivemind neither logs it as a crash nor retries) and leave the buffers untouched. Every registered segment
         # was checked finite when it was decoded: no second pass over the whole vector.
-        failure = ""
-        if report["values_failed"]:
-            received = 100.0 * (1 - report["values_failed"] / report["values_total"])
-            failure = f"partial all-reduce: received {received:.1f}% of the averaged values"
+        if report.values_failed:
+            report.failure = f"partial all-reduce: received {100.0 * report.received_fraction:.1f}% of the averaged " \
+                             "values"
+            logger.warning("all-reduce in group %s failed: %s", group_id.hex(), report.failure)
         else:
             output.copy_(runner.output)
-            self.last_updated = time.time()
-            self._state_updated.set()
-        if failure:
-            logger.warning("all-reduce in group %s failed: %s", group_id.hex(), failure)
-        self._reports[group_id] = dict(report, group_id=group_id.hex(), failure=failure)
+            self.mark_averaged()
+        return report
 
     def _terms(self, me: Member, members: list[Member]) -> RoundTerms:
         """What this round is about (from our own gathered data), and each sender's commitment when it is signed

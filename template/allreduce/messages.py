@@ -3,7 +3,7 @@
 Sender → owner, on one stream per owner:
 
 - :class:`RangeHeader` first: the sender's leaf digests of the owner's segments [a, b) and the Merkle proof that ties
-  them to the root the sender signed at matchmaking (:mod:`template.training.contribution`);
+  them to the root the sender signed at matchmaking (:mod:`template.allreduce.contribution`);
 - then one :class:`SenderSegment` per segment: its encoded bytes and the sender's signed statement of their digest.
 
 Owner → every member (senders and auxiliary validators alike), the same bytes to all:
@@ -13,7 +13,7 @@ Owner → every member (senders and auxiliary validators alike), the same bytes 
   the digest it did send;
 - a final :class:`ShareCertificate`: the owner's signature over the digest of every averaged segment it sent and of
   the commitments it checked against, so that two members who received different bytes, or an owner that averaged
-  against other roots, hold conflicting signed statements (the confirmation in :mod:`template.training.averaging`).
+  against other roots, hold conflicting signed statements (the confirmation in :mod:`template.allreduce.averager`).
 
 Decoding never trusts the peer: sizes are bounded before use, every field is type-checked, and anything malformed
 raises :class:`MessageError` (a ``ValueError``) naming the problem.
@@ -29,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from template.training.contribution import DIGEST_BYTES
+from template.allreduce.contribution import DIGEST_BYTES
 
 MAX_SIGNATURE_BYTES = 128
 _CERTIFICATE = b"diloco/share-certificate/v1\x00"

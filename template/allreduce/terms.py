@@ -1,0 +1,96 @@
+"""The terms of one all-reduce: how the vector is cut and shared out, what each sender committed, who signs.
+
+Members of a group compute these alike from the gathered data (:mod:`template.allreduce.averager_process`), so every
+owner, sender and auxiliary agrees on which member owns which segments and against which commitments a segment is
+checked. :class:`AllReduceFaults` holds the misbehaviours of the adversarial tests, plainly marked, off by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from template.allreduce.codecs import SegmentCodec
+from template.allreduce.contribution import Commitment, Signer, Verifier, segment_bounds, segment_count
+
+__all__ = ["AllReduceFaults", "OwnContribution", "RoundTerms", "SegmentLayout"]
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """How the flat vector is cut into segments, and which member owns which segments."""
+
+    numel: int
+    segment_values: int
+
+    @property
+    def count(self) -> int:
+        return segment_count(self.numel, self.segment_values)
+
+    def numel_of(self, index: int) -> int:
+        start, stop = segment_bounds(self.numel, self.segment_values, index)
+        return stop - start
+
+    def values(self, start: int, stop: int) -> tuple[int, int]:
+        """The flat values [first, last) of segments [start, stop)."""
+        return start * self.segment_values, min(stop * self.segment_values, self.numel)
+
+    def ranges(self, peer_fractions: Sequence[float]) -> list[tuple[int, int]]:
+        """Contiguous segment ranges in proportion to the fractions (members with fraction 0 own nothing)."""
+        total = sum(peer_fractions)
+        bounds, acc = [0], 0.0
+        for fraction in peer_fractions:
+            acc += fraction
+            bounds.append(round(self.count * acc / total) if total > 0 else 0)
+        bounds[-1] = self.count
+        return [(bounds[i], bounds[i + 1]) for i in range(len(peer_fractions))]
+
+
+@dataclass(frozen=True)
+class OwnContribution:
+    """This sender's encoded segments, their leaves and its signed statements (from the host, via shared memory)."""
+
+    segments: tuple[bytes, ...]
+    leaves: tuple[bytes, ...]
+    statements: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class AllReduceFaults:
+    """Misbehaviours of an adversarial peer (tests and research only; every field off is the honest protocol).
+
+    ``corrupt_segments``: send segment bytes other than the committed ones, with signed statements of them (an
+    equivocator: its refusals carry proof). ``lie``: as an owner, return a wrong average (the negated one) to
+    ``"all"`` members or to ``"some"`` (every other member), signing what it sends. ``frame``: as an owner, refuse the
+    first other sender's segments claiming a mismatch, with a forged "proof".
+    """
+
+    corrupt_segments: bool = False
+    lie: str | None = None
+    frame: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lie not in (None, "all", "some"):
+            raise ValueError("lie must be None, 'all' or 'some'")
+
+
+@dataclass(frozen=True)
+class RoundTerms:
+    """What the members of one all-reduce agree on, besides the group itself."""
+
+    scope: str
+    round: int
+    codec: SegmentCodec
+    layout: SegmentLayout
+    commitments: tuple[Commitment | None, ...]  # per sender (group order); None: malformed or unsigned
+    verify: Verifier
+    signer: Signer | None  # signs this member's certificates as an owner (None: auxiliary members own nothing)
+    faults: AllReduceFaults = field(default_factory=AllReduceFaults)
+
+    @property
+    def commitments_digest(self) -> bytes:
+        digest = hashlib.sha256()
+        for c in self.commitments:
+            digest.update(b"\x00" if c is None else b"\x01" + c.signing_bytes() + c.signature)
+        return digest.digest()

@@ -1,0 +1,99 @@
+"""Every use of hivemind's private members, in one place, for the one hivemind version the project pins.
+
+hivemind has no public way to (a) run another all-reduce inside its averager's matchmaking and process, (b) ask a DHT
+node for its visible multiaddrs without waiting forever on a dead node, or (c) dial a peer at a known address. The
+project needs all three, so it touches hivemind's private members here and nowhere else; ``requirements.txt`` pins
+``hivemind==`` :data:`HIVEMIND_VERSION`, and ``tests/unit/test_hivemind_compat.py`` checks every private member used
+here (its presence and the signature we rely on), so a hivemind upgrade fails those tests by name instead of breaking
+a round silently.
+
+The private members, and where they are used:
+
+- ``DecentralizedAverager._aggregate_with_group`` / ``_run_allreduce_inplace_`` (overridden),
+  ``._running_groups`` (a group's runner is registered there so that hivemind routes the groupmates'
+  ``rpc_aggregate_part`` calls to it), ``._state_updated`` (wakes state sharing), ``._p2p`` (the averager's libp2p
+  host): :class:`OwnAllReduceHooks`;
+- ``DHT._get_visible_maddrs``: :func:`visible_maddrs_coroutine`;
+- ``P2P._client`` (the p2p daemon's client): :func:`dial`.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+import hivemind
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+__all__ = ["HIVEMIND_VERSION", "OwnAllReduceHooks", "check_hivemind_version", "dial",
+           "visible_maddrs_coroutine"]
+
+HIVEMIND_VERSION = "1.1.12"
+
+
+def check_hivemind_version(version: str | None = None) -> None:
+    """Refuse to run on a hivemind other than the pinned one: the private members below may have changed."""
+    version = hivemind.__version__ if version is None else version
+    if version != HIVEMIND_VERSION:
+        raise RuntimeError(f"hivemind {version} is installed; this code is written and tested for hivemind "
+                           f"{HIVEMIND_VERSION} (pip install hivemind=={HIVEMIND_VERSION})")
+
+
+class OwnAllReduceHooks:
+    """Mixed in before ``DecentralizedAverager``: hivemind's averager — matchmaking, the gather, state sharing, its own
+    process — whose all-reduce is ours (``class A(OwnAllReduceHooks, DecentralizedAverager)``).
+
+    The class implements :meth:`run_group_allreduce`; whatever it returns reaches the caller of ``step()`` as
+    ``{"gathered": {peer id: gathered data}, "report": <that value>}`` in place of hivemind's gathered data. (A mixin,
+    not a servicer of its own: it registers no RPC handler.)
+    """
+
+    def __init__(self, *args, **kwargs):
+        self._own_reports: dict[bytes, Any] = {}  # group id -> what run_group_allreduce returned
+        super().__init__(*args, **kwargs)
+
+    async def run_group_allreduce(self, tensors, group_info: GroupInfo, group_id: bytes, *, peer_fractions,
+                                  weight: float, sender_timeout: float, reducer_timeout: float) -> Any:
+        """Run one group's all-reduce on ``tensors`` (the averaged tensors, locked for us); return its report."""
+        raise NotImplementedError
+
+    @property
+    def p2p(self) -> P2P:
+        """The averager's libp2p host (in the averager's process)."""
+        return self._p2p
+
+    def serve_runner(self, group_id: bytes, runner: Any) -> None:
+        """Route the groupmates' ``rpc_aggregate_part`` calls for ``group_id`` to ``runner.rpc_aggregate_part``."""
+        assert group_id in self._running_groups, f"group {group_id!r} was not registered"
+        self._running_groups[group_id].set_result(runner)
+
+    def mark_averaged(self) -> None:
+        """The averaged tensors changed: state sharing may serve them (what hivemind does after its all-reduce)."""
+        self.last_updated = time.time()
+        self._state_updated.set()
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        return dict(gathered={str(peer): data for peer, data in gathered.items()},
+                    report=self._own_reports.pop(group_info.group_id))
+
+    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: bytes | None = None, *,
+                                      peer_fractions, weight, sender_timeout, reducer_timeout, **_) -> None:
+        group_id = group_info.group_id if group_id is None else group_id
+        self._own_reports[group_id] = await self.run_group_allreduce(
+            tensors, group_info, group_id, peer_fractions=peer_fractions, weight=weight,
+            sender_timeout=sender_timeout, reducer_timeout=reducer_timeout)
+
+
+def visible_maddrs_coroutine():
+    """The coroutine function that ``DHT.run_coroutine`` runs to list the node's visible multiaddrs (not waiting
+    for them when the node is dead, unlike the public ``get_visible_maddrs``)."""
+    return partial(hivemind.DHT._get_visible_maddrs, latest=False)
+
+
+async def dial(p2p: P2P, peer_id: PeerID, address: Multiaddr) -> None:
+    """Open a connection to ``peer_id`` at ``address`` (without its /p2p/ part): hivemind has no public call."""
+    await p2p._client.connect(peer_id, [address])

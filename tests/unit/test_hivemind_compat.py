@@ -1,0 +1,102 @@
+"""The private hivemind members the project relies on (template/p2p/hivemind_compat.py), one test each.
+
+A hivemind upgrade that renames or reshapes any of them fails here, by name, instead of breaking a round silently.
+Nothing is started: these read hivemind's classes and signatures.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import hivemind
+import pytest
+from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import P2P
+
+from template.p2p import hivemind_compat
+from template.p2p.hivemind_compat import HIVEMIND_VERSION, OwnAllReduceHooks, check_hivemind_version
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parameters(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def test_the_installed_hivemind_is_the_pinned_one():
+    assert hivemind.__version__ == HIVEMIND_VERSION
+    assert f"hivemind=={HIVEMIND_VERSION}" in (REPO / "requirements.txt").read_text().split()
+    check_hivemind_version()
+
+
+def test_another_hivemind_version_is_refused_with_the_pinned_one_named():
+    with pytest.raises(RuntimeError, match=f"hivemind=={HIVEMIND_VERSION}"):
+        check_hivemind_version("1.2.0")
+
+
+def test_private_aggregate_with_group_takes_the_group_and_the_minimum_vector_size():
+    assert parameters(DecentralizedAverager._aggregate_with_group)[:3] == ["self", "group_info", "min_vector_size"]
+    # it hands our override the keyword arguments our _run_allreduce_inplace_ reads
+    source = inspect.getsource(DecentralizedAverager._aggregate_with_group)
+    assert "self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=peer_fractions, **kwargs)" in source
+
+
+def test_private_run_allreduce_inplace_is_the_all_reduce_hook():
+    assert parameters(DecentralizedAverager._run_allreduce_inplace_) == ["self", "tensors", "group_info", "group_id",
+                                                                         "kwargs"]
+    source = inspect.getsource(DecentralizedAverager._step)
+    for keyword in ("weight=step.weight", "**self.allreduce_kwargs"):
+        assert keyword in source
+    init = inspect.getsource(DecentralizedAverager.__init__)
+    for keyword in ("sender_timeout=", "reducer_timeout="):
+        assert keyword in init  # allreduce_kwargs carries both timeouts
+
+
+def test_private_running_groups_routes_rpc_aggregate_part_to_the_registered_runner():
+    source = inspect.getsource(DecentralizedAverager.rpc_aggregate_part)
+    assert "self._running_groups.get(request.group_id)" in source
+    assert "group.rpc_aggregate_part(" in source
+    assert "self._running_groups" in inspect.getsource(DecentralizedAverager.__init__)
+
+
+def test_private_state_updated_wakes_state_sharing():
+    assert "self._state_updated" in inspect.getsource(DecentralizedAverager._declare_for_download_periodically)
+
+
+def test_private_p2p_is_the_averagers_host():
+    assert "self._p2p" in inspect.getsource(DecentralizedAverager._run_internal)
+
+
+def test_private_dht_get_visible_maddrs_takes_latest():
+    assert parameters(hivemind.DHT._get_visible_maddrs)[-1] == "latest"
+    assert hivemind_compat.visible_maddrs_coroutine().keywords == {"latest": False}
+
+
+def test_private_p2p_client_connects_to_an_address():
+    assert "self._client" in inspect.getsource(P2P.create)
+    from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client
+
+    assert parameters(Client.connect) == ["self", "peer_id", "maddrs"]
+
+
+def test_the_compat_subclass_overrides_exactly_the_two_private_hooks():
+    overridden = {name for name, value in vars(OwnAllReduceHooks).items()
+                  if name.startswith("_") and not name.startswith("__") and callable(value)}
+    assert overridden == {"_aggregate_with_group", "_run_allreduce_inplace_"}
+    for name in overridden:
+        assert hasattr(DecentralizedAverager, name), name
+
+
+def test_no_other_module_touches_a_private_hivemind_member():
+    """Outside the compat module, no code names the private members it wraps."""
+    privates = ("_aggregate_with_group", "_run_allreduce_inplace_", "_running_groups", "_state_updated",
+                "_get_visible_maddrs", "p2p._client", "AllReduceRunner.__init__")
+    offenders = []
+    for folder in ("template", "neurons", "scripts", "benchmarks"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path.name == "hivemind_compat.py":
+                continue
+            text = path.read_text()
+            offenders += [f"{path.relative_to(REPO)}: {name}" for name in privates if name in text]
+    assert not offenders, offenders
