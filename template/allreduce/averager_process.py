@@ -53,7 +53,7 @@ from template.allreduce.contribution import (
     encoded_sizes,
 )
 from template.allreduce.evidence import AllReduceReport
-from template.allreduce.runner import CheckedAllReduceRunner
+from template.allreduce.runner import CheckedAllReduceRunner, HeldShares
 from template.allreduce.terms import AllReduceFaults, OwnContribution, RoundTerms, SegmentLayout
 from template.p2p.hivemind_compat import OwnAllReduceHooks
 from template.p2p.ratelimit import RateLimiter
@@ -140,7 +140,8 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
 
     Its class name is part of the RPC handle names: every peer of a run must use this class. The two handlers any
     peer may call without being in our group (join requests, state downloads) are rate-limited per peer; the
-    all-reduce handler serves the members of a running group only (:meth:`CheckedAllReduceRunner.rpc_aggregate_part`).
+    all-reduce handler serves the members of a running group only (:meth:`CheckedAllReduceRunner.rpc_aggregate_part`),
+    and so does the relay of owners' shares (:meth:`rpc_fetch_share`: the latest group's members, rate-limited too).
     """
 
     def __init__(
@@ -163,6 +164,9 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         self._state_provider = state_provider
         self._join_limiter = RateLimiter(max_join_requests_per_minute)  # lives in the averager process
         self._download_limiter = RateLimiter(max_state_downloads_per_minute)
+        # a member fetches at most one share per owner and round: the join allowance is ample
+        self._share_limiter = RateLimiter(max_join_requests_per_minute)
+        self._held_shares: HeldShares | None = None  # the latest group's shares, for members that missed one
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # hivemind derives each handler's wire form from its annotations and recognizes typing's AsyncIterator only
@@ -187,6 +191,18 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
+    async def rpc_fetch_share(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """A member of our latest group that missed an owner's share gets it as we received it (certified by the owner);
+        anyone else, or a member past its allowance, is told ``BAD_GROUP_ID``."""
+        held = self._held_shares
+        if held is None or not self._share_limiter.allow(str(context.remote_id)):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in held.serve(request, context):
+            yield message
+
     async def run_group_allreduce(self, tensors, group_info: GroupInfo, group_id: bytes, *, peer_fractions,
                                   weight: float, sender_timeout: float, reducer_timeout: float) -> AllReduceReport:
         output, contribution = tensors
@@ -209,6 +225,7 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
             reducer_timeout=reducer_timeout,
         )
         self.serve_runner(group_id, runner)
+        self._held_shares = runner.held  # relayed from now on, until our next group (one share set in memory)
         await runner.execute()
         report = runner.report()
         # hivemind would call a partial result a success; we report it as a failure (without raising, so that

@@ -54,6 +54,7 @@ class AllReduceEvidence:
     certificates: dict[int, OwnerCertificate] = field(default_factory=dict)  # owner (member index) -> certificate
     failed_owners: dict[str, str] = field(default_factory=dict)  # owner peer id -> why its share failed here
     conflicts: tuple[int, ...] = ()  # owners that signed different shares for different members (confirmation)
+    recovered: dict[int, str] = field(default_factory=dict)  # owner -> the member that relayed its share to us
 
     def coverage(self) -> dict[str, float]:
         """Sender peer id -> the fraction of the vector's segments whose average includes it."""

@@ -15,6 +15,10 @@ Owner → every member (senders and auxiliary validators alike), the same bytes 
   the commitments it checked against, so that two members who received different bytes, or an owner that averaged
   against other roots, hold conflicting signed statements (the confirmation in :mod:`template.allreduce.averager`).
 
+Member → member, when a member misses part of an owner's share after the all-reduce (the owner died or stalled
+while serving it): one :class:`ShareRequest`, answered with the owner's averaged segments and its certificate
+exactly as that member received them; the owner's signature makes the relaying member unable to alter them.
+
 Decoding never trusts the peer: sizes are bounded before use, every field is type-checked, and anything malformed
 raises :class:`MessageError` (a ``ValueError``) naming the problem.
 """
@@ -160,6 +164,23 @@ class ShareCertificate:
         if not all(isinstance(d, bytes) and len(d) == DIGEST_BYTES for d in (digest, commitments)):
             raise MessageError("a share certificate's digests are 32 bytes")
         return cls(digest, commitments, _signature(document["sig"], "a share certificate's signature"))
+
+
+@dataclass(frozen=True)
+class ShareRequest:
+    """Member → member, after the all-reduce: "send me owner ``owner``'s share as you received it"."""
+
+    owner: int  # member index
+
+    def pack(self) -> bytes:
+        return _pack(dict(owner=self.owner))
+
+    @classmethod
+    def unpack(cls, data: bytes, members: int) -> ShareRequest:
+        owner = _unpack(data, ("owner",), "share request", 64)["owner"]
+        if not isinstance(owner, int) or isinstance(owner, bool) or not 0 <= owner < members:
+            raise MessageError(f"a share request names an owner in [0, {members})")
+        return cls(owner)
 
 
 def certificate_bytes(scope: str, round: int, group_id: bytes, owner: int, start: int, stop: int, digest: bytes,

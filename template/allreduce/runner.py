@@ -15,9 +15,12 @@ fractions. :class:`CheckedAllReduceRunner`
   sender signed those bytes, silently otherwise; every member receives the same averaged segments (their bytes, the
   senders included, the proven refusals), and finally a :class:`~template.allreduce.messages.ShareCertificate`
   in which the owner signs the digest of everything it sent;
-- decodes what every owner returns into the output vector, checks each certificate, and keeps an audit of the round
-  (:meth:`CheckedAllReduceRunner.report`): who was included in which segment, the proven refusals, the digest of every
-  averaged segment and every owner's signed certificate, for the confirmation between members and for validators.
+- decodes what every owner returns into the output vector; a share counts only once the owner's certificate over
+  exactly its bytes verifies; keeps each verified share as received (:class:`HeldShares`) to relay it to a groupmate
+  that missed it, and fetches any share it missed itself from a groupmate that holds it (the certificate proves the
+  relayed bytes are the owner's); keeps an audit of the round (:meth:`CheckedAllReduceRunner.report`): who was
+  included in which segment, the proven refusals, the digest of every averaged segment and every owner's signed
+  certificate, for the confirmation between members and for validators.
 
 What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stall) or misbehaves:
 
@@ -26,9 +29,10 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
 - A sender that stops sending, or breaks the stream (a bad header, segments out of order), is banned: it is excluded
   from the segments of our range it had not delivered yet; segments that it did deliver keep its contribution.
 - An owner that dies, is silent, replies garbage (not an averaged segment, undecodable, non-finite, wrong count) or
-  signs its certificate wrongly has the segments of its range that were not registered counted as failed: the result
-  is partial (``values_failed`` in the report), which the averager reports as a failure. Garbage is never written into
-  the result.
+  signs its certificate wrongly does not cost the round: its share is fetched, whole and certified, from any groupmate
+  that received it (asked one after the other, each bounded by ``reducer_timeout``). Only a share that no groupmate
+  holds leaves its segments failed: the result is partial (``values_failed`` in the report), which the averager
+  reports as a failure. Nothing uncertified ever counts.
 - The all-reduce handler serves members of this group only; anyone else gets ``PROTOCOL_VIOLATION``, and a request
   for another group id, or after the runner finished, is rejected.
 - A member whose gathered data is malformed has no announced weight or commitment: its segments are dropped.
@@ -42,7 +46,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
@@ -68,6 +75,7 @@ from template.allreduce.messages import (
     Refusal,
     SenderSegment,
     ShareCertificate,
+    ShareRequest,
     certificate_bytes,
     segments_digest,
 )
@@ -75,14 +83,54 @@ from template.allreduce.reduction import SegmentInput
 from template.allreduce.segment_reducer import Contribution, SegmentReducer, SegmentResult
 from template.allreduce.terms import OwnContribution, RoundTerms
 
-__all__ = ["CheckedAllReduceRunner"]
+__all__ = ["CheckedAllReduceRunner", "HeldShares"]
 
 logger = logging.getLogger(__name__)
+
+RELAY_POLL_S = 0.05  # how often a relay request for a share still arriving looks again
 
 
 def _message(payload: bytes, *, code: int = averaging_pb2.AVERAGED_PART,
              weight: float = 0.0) -> averaging_pb2.AveragingData:
     return averaging_pb2.AveragingData(code=code, tensor_part=runtime_pb2.Tensor(buffer=payload), weight=weight)
+
+
+@dataclass
+class HeldShares:
+    """The owners' shares a member received whole (certificate verified), byte for byte as it received them: what it
+    relays to a groupmate that missed one. The owner's signature covers the bytes, so a relay cannot alter them.
+
+    A request for a share that is still arriving waits (at most ``wait_s``) until it arrived or our exchange with the
+    owners ended (``settled``); it never waits on our own fetching of missed shares, so two members missing the same
+    share cannot wait on each other."""
+
+    group_id: bytes
+    members: tuple[PeerID, ...]
+    wait_s: float
+    shares: dict[int, tuple[tuple[bytes, ...], bytes]] = field(default_factory=dict)  # owner -> (segments, certificate)
+    settled: bool = False  # our exchange with the owners ended: what is not here now will not arrive
+
+    async def serve(self, request: averaging_pb2.AveragingData,
+                    context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Members of the group only; a share we do not hold whole is answered ``INTERNAL_ERROR`` (ask another)."""
+        if context.remote_id not in self.members or request.group_id != self.group_id:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        try:
+            owner = ShareRequest.unpack(request.tensor_part.buffer, len(self.members)).owner
+        except MessageError:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        give_up = time.monotonic() + self.wait_s
+        while owner not in self.shares and not self.settled and time.monotonic() < give_up:
+            await asyncio.sleep(RELAY_POLL_S)
+        share = self.shares.get(owner)
+        if share is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+            return
+        segments, certificate = share
+        for packed in (*segments, certificate):
+            yield _message(packed)
 
 
 class CheckedAllReduceRunner:
@@ -157,6 +205,8 @@ class CheckedAllReduceRunner:
         self._verified_leaves: dict[int, tuple[bytes, ...]] = {}  # sender -> its leaves of our range, once checked
         self._levels = merkle_levels(own.leaves) if self.is_sender else None  # our tree, for the range proofs
         self.bytes_sent = self.bytes_received = 0
+        # a relay request waits at most half the requester's patience for a share still arriving
+        self.held = HeldShares(group_id, self.ordered_peer_ids, wait_s=reducer_timeout / 2)
 
     # ------------------------------------------------------------------------------------------------ run
 
@@ -173,6 +223,8 @@ class CheckedAllReduceRunner:
             for result in results:
                 if isinstance(result, BaseException) and not isinstance(result, Exception):
                     raise result
+            self.held.settled = True
+            await self._recover_missing_shares()
             # stay alive (bounded) until groupmates, auxiliaries included, have fetched this peer's share
             try:
                 await asyncio.wait_for(self._all_served.wait(), timeout=self.reducer_timeout)
@@ -194,6 +246,7 @@ class CheckedAllReduceRunner:
                     logger.debug("task %s failed with %r", task, inner_exc, exc_info=True)
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
+        self.held.settled = True
         if not self._future.done():
             if cancel:
                 self._future.cancel()
@@ -205,11 +258,14 @@ class CheckedAllReduceRunner:
 
     # --------------------------------------------------------------------------------- receiving averages
 
-    def _register(self, owner: int, segment: int, averaged: AveragedSegment, decoded: torch.Tensor) -> None:
+    def _write(self, segment: int, decoded: torch.Tensor) -> None:
         start, stop = self.terms.layout.values(segment, segment + 1)
         if decoded.numel() != stop - start:
-            raise AllreduceException(f"owner {owner} sent {decoded.numel()} values for segment {segment}")
+            raise AllreduceException(f"{decoded.numel()} values for segment {segment} of {stop - start}")
         self.output[start:stop] = decoded
+
+    def _register(self, owner: int, segment: int, averaged: AveragedSegment) -> None:
+        """A segment whose average is written and verified: it counts, and is recorded as evidence."""
         self.registered[segment] = True
         self.evidence.segments[segment] = SegmentRecord(owner, tuple(averaged.included),
                                                         hashlib.sha256(averaged.data).digest(), averaged.refusals)
@@ -230,37 +286,72 @@ class CheckedAllReduceRunner:
         self.evidence.certificates[owner] = OwnerCertificate(certificate.digest, certificate.commitments,
                                                              certificate.signature, start, stop)
 
+    def _stub(self, peer_id: PeerID):
+        return self._servicer_type.get_stub(self._p2p, peer_id, namespace=self._prefix)
+
+    async def _receive_share(self, owner: int, stream: AsyncIterator[averaging_pb2.AveragingData]) -> None:
+        """Read ``owner``'s share — its averaged segments in order, then its certificate — from the owner or relayed
+        by a member. Each segment is decoded and checked finite as it arrives, but none counts (is registered) until
+        the owner's certificate over exactly these bytes verifies."""
+        start, stop = self.ranges[owner]
+        codec, received, pending = self.terms.codec, [], []
+        max_bytes = codec.max_average_size(self.terms.layout.segment_values)
+        async for message in aiter_with_timeout(stream, self.reducer_timeout):
+            self.bytes_received += message.ByteSize()
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"replied {averaging_pb2.MessageCode.Name(message.code)}")
+            if len(received) == stop - start:
+                self._check_certificate(owner, ShareCertificate.unpack(message.tensor_part.buffer), received)
+                for segment, averaged in pending:
+                    self._register(owner, segment, averaged)
+                self.held.shares[owner] = (tuple(received), message.tensor_part.buffer)
+                return
+            segment = start + len(received)
+            averaged = AveragedSegment.unpack(message.tensor_part.buffer, max_bytes, len(self.sender_peer_ids))
+            decoded = await asyncio.get_event_loop().run_in_executor(
+                None, codec.decode_average, averaged.data, self.terms.layout.numel_of(segment))
+            if not bool(torch.isfinite(decoded).all()):
+                raise AllreduceException(f"owner {owner}'s average is not finite")
+            self._write(segment, decoded)
+            pending.append((segment, averaged))
+            received.append(message.tensor_part.buffer)  # the certificate covers exactly these bytes
+        raise AllreduceException(f"{len(received)} of {stop - start} segments of owner {owner} and no certificate")
+
+    async def _recover_missing_shares(self) -> None:
+        """Fetch every share we miss (its owner died, stalled or broke its stream to us) from groupmates that hold it
+        whole; only a share that no member holds stays failed. Bounded: ``reducer_timeout`` per groupmate asked."""
+        missing = [owner for owner, (start, stop) in enumerate(self.ranges)
+                   if start < stop and not all(self.registered[start:stop])]
+        await asyncio.gather(*(self._recover_share(owner) for owner in missing))
+
+    async def _recover_share(self, owner: int) -> None:
+        holders = [p for i, p in enumerate(self.ordered_peer_ids) if i not in (owner, self.my_index)]
+        random.shuffle(holders)  # spread the relaying over the members that have it
+        request = _message(ShareRequest(owner).pack(), code=averaging_pb2.PART_FOR_AVERAGING)
+        request.group_id = self.group_id
+        for holder in holders:
+            try:
+                stream = await asyncio.wait_for(self._stub(holder).rpc_fetch_share(request), self.reducer_timeout)
+                await self._receive_share(owner, stream)
+            except Exception as e:  # this holder cannot help (it misses the share too, left, or lied): next one
+                logger.info("could not fetch owner %d's share from %s: %r", owner, holder, e)
+                continue
+            logger.info("fetched owner %d's share from groupmate %s", owner, holder)
+            self.evidence.recovered[owner] = str(holder)
+            return
+
     async def _communicate_with_owner(self, owner: int, peer_id: PeerID) -> None:
         """Send our segments of ``owner``'s range and register the averages it returns (or serve our own range)."""
-        start, stop = self.ranges[owner]
         try:
             if peer_id == self.peer_id:  # owners are always senders: auxiliaries own nothing
                 await self._average_own_range()
                 return
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_owner(owner), done_sending)
-            stub = self._servicer_type.get_stub(self._p2p, peer_id, namespace=self._prefix)
-            stream = await stub.rpc_aggregate_part(inputs)
+            stream = await self._stub(peer_id).rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
-            codec, received = self.terms.codec, []
-            max_bytes = codec.max_average_size(self.terms.layout.segment_values)
-            async for message in aiter_with_timeout(stream, self.reducer_timeout):
-                self.bytes_received += message.ByteSize()
-                if message.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"owner replied {averaging_pb2.MessageCode.Name(message.code)}")
-                if len(received) == stop - start:
-                    self._check_certificate(owner, ShareCertificate.unpack(message.tensor_part.buffer), received)
-                    return
-                segment = start + len(received)
-                averaged = AveragedSegment.unpack(message.tensor_part.buffer, max_bytes, len(self.sender_peer_ids))
-                decoded = await asyncio.get_event_loop().run_in_executor(
-                    None, codec.decode_average, averaged.data, self.terms.layout.numel_of(segment))
-                if not bool(torch.isfinite(decoded).all()):
-                    raise AllreduceException(f"owner {owner} sent a non-finite average")
-                self._register(owner, segment, averaged, decoded)
-                received.append(message.tensor_part.buffer)  # the certificate covers exactly these bytes
-            raise AllreduceException(f"{peer_id} sent {len(received)} of {stop - start} segments and no certificate")
+            await self._receive_share(owner, stream)
         except BaseException as e:
             if isinstance(e, (AllreduceException, MessageError, CodecError, ContributionError)):
                 logger.warning("owner %s failed: %s", peer_id, e)
@@ -280,11 +371,13 @@ class CheckedAllReduceRunner:
             averaged = self._as_sent_to(self.my_index, result)
             decoded = result.decoded if averaged is result.averaged else self.terms.codec.decode_average(
                 averaged.data, result.decoded.numel())
-            self._register(self.my_index, segment, averaged, decoded)
+            self._write(segment, decoded)
+            self._register(self.my_index, segment, averaged)
             sent.append(averaged.pack(len(self.sender_peer_ids)))
         certificate = self._certificate(sent)
         self.evidence.certificates[self.my_index] = OwnerCertificate(certificate.digest, certificate.commitments,
                                                                      certificate.signature, start, stop)
+        self.held.shares[self.my_index] = (tuple(sent), certificate.pack())
 
     def _certificate(self, sent: list[bytes]) -> ShareCertificate:
         """The owner's signature over the packed averaged segments it sent one member, and the commitments used."""
@@ -398,6 +491,7 @@ class CheckedAllReduceRunner:
         """One member's stream: its header and segments in, the averages and our certificate out."""
         reducer, (start, stop) = self.reducer, self.my_range
         sent: list[bytes] = []
+        withheld = str(self.ordered_peer_ids[receiver]) == self.terms.faults.withhold_from  # AllReduceFaults
         offset = 0
         try:
             header = await anext(stream)
@@ -419,8 +513,9 @@ class CheckedAllReduceRunner:
                 packed = averaged.pack(len(self.sender_peer_ids))
                 sent.append(packed)
                 offset += 1
-                yield _message(packed, weight=averaged.weight)
-            if offset == stop - start:
+                if not withheld:
+                    yield _message(packed, weight=averaged.weight)
+            if offset == stop - start and not withheld:
                 yield _message(self._certificate(sent).pack())
         finally:
             if sender_index is not None and offset != reducer.num_segments:

@@ -63,12 +63,14 @@ class AllReduceFaults:
     ``corrupt_segments``: send segment bytes other than the committed ones, with signed statements of them (an
     equivocator: its refusals carry proof). ``lie``: as an owner, return a wrong average (the negated one) to
     ``"all"`` members or to ``"some"`` (every other member), signing what it sends. ``frame``: as an owner, refuse the
-    first other sender's segments claiming a mismatch, with a forged "proof".
+    first other sender's segments claiming a mismatch, with a forged "proof". ``withhold_from``: as an owner, send the
+    member with that peer id nothing back (a transfer lost on the way: the member must fetch the share elsewhere).
     """
 
     corrupt_segments: bool = False
     lie: str | None = None
     frame: bool = False
+    withhold_from: str | None = None  # a member's peer id (base58)
 
     def __post_init__(self) -> None:
         if self.lie not in (None, "all", "some"):

@@ -2,7 +2,8 @@
 
 Join requests and state downloads — which any peer reaching our host may send — are rate-limited per peer
 (``AveragingConfig.max_join_requests_per_minute`` / ``max_state_downloads_per_minute``): a caller over its allowance
-is refused, another peer keeps its own allowance. The all-reduce handler serves running groups and their members only.
+is refused, another peer keeps its own allowance. The all-reduce handler serves running groups and their members only,
+and the relay of a missed share the latest group's members only, within an allowance.
 Real hivemind hosts on 127.0.0.1; the unwelcome caller speaks hivemind's own RPC stub, as a modified peer would (the
 group-membership check is exercised on the runner directly, which needs no group to be formed in time).
 """
@@ -13,12 +14,13 @@ import asyncio
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter
 
@@ -26,6 +28,7 @@ from template.allreduce.averager import AveragingConfig, PseudoGradientAverager
 from template.allreduce.averager_process import CheckedAverager
 from template.allreduce.codecs import get_codec
 from template.allreduce.contribution import encode_contribution
+from template.allreduce.messages import ShareCertificate, ShareRequest, segments_digest
 from template.allreduce.runner import CheckedAllReduceRunner
 from template.allreduce.terms import OwnContribution, RoundTerms, SegmentLayout
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
@@ -147,3 +150,40 @@ def test_an_outsiders_parts_are_refused_by_the_group():
         return codes
 
     assert asyncio.run(asyncio.wait_for(outsider_sends(), timeout=10)) == [averaging_pb2.PROTOCOL_VIOLATION]
+
+
+@pytest.mark.timeout(120)
+def test_share_fetches_serve_the_groups_members_only_within_their_allowance(hosts):
+    """The relay of an owner's share (for a member that missed it) answers the members of the sharer's latest group,
+    with exactly the owner's certified bytes, up to a per-peer allowance; an outsider gets nothing."""
+    loop, (sharer_node, member_node, outsider_node) = hosts
+    limited = config(max_join_requests_per_minute=3, min_group_size=2, target_group_size=2)
+    with PseudoGradientAverager(sharer_node, SHAPES, limited) as sharer, \
+            PseudoGradientAverager(member_node, SHAPES, limited) as member:
+        deadline = time.time() + 30
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(peer.average, [torch.full(s, float(i)) for s in SHAPES], 1.0, {}, deadline)
+                       for i, peer in enumerate((sharer, member))]
+            results = [future.result(timeout=45) for future in futures]
+        assert all(r.ok for r in results), [r.reason for r in results]
+        group_id = bytes.fromhex(results[0].group_id)
+        owner = next(i for i, (start, stop) in enumerate(results[0].evidence.ranges) if stop > start)  # 1 segment
+        request = averaging_pb2.AveragingData(group_id=group_id,
+                                              tensor_part=runtime_pb2.Tensor(buffer=ShareRequest(owner).pack()))
+
+        async def fetch(node) -> list[averaging_pb2.AveragingData]:
+            p2p = await node.replicate_p2p()
+            try:
+                stub = CheckedAverager.get_stub(p2p, sharer_node.peer_id, namespace=limited.prefix)
+                return [reply async for reply in await stub.rpc_fetch_share(request)]
+            finally:
+                await p2p.shutdown()
+
+        outsider = run(loop, fetch(outsider_node))
+        fetched = [run(loop, fetch(member_node)) for _ in range(4)]
+    assert [m.code for m in outsider] == [averaging_pb2.PROTOCOL_VIOLATION]
+    for replies in fetched[:3]:  # the member's allowance: the owner's segments, then its certificate over them
+        assert {m.code for m in replies} == {averaging_pb2.AVERAGED_PART} and len(replies) >= 2
+        certificate = ShareCertificate.unpack(replies[-1].tensor_part.buffer)
+        assert segments_digest([m.tensor_part.buffer for m in replies[:-1]]) == certificate.digest
+    assert [m.code for m in fetched[3]] == [averaging_pb2.BAD_GROUP_ID]

@@ -268,6 +268,45 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
         assert set(outcome.accused) == {ids[1]} and "wrong average" in outcome.accused[ids[1]], outcome
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["fp16", "sparse"])
+def test_a_member_that_misses_an_owners_share_fetches_it_from_a_groupmate(dhts, codec):
+    """An owner's transfer to one member is lost (it sends that member nothing back): the member fetches the share
+    from a groupmate that received it whole — the owner's signed certificate proves the relayed bytes — and every
+    member ends with the same average, none of the round lost. (Issue: one member in 185 refused a round with
+    "received 93.0 %" and had to re-sync.)"""
+    config = fast_config(compression=codec)
+    deltas = [random_deltas(seed) for seed in range(3)]
+    victim = str(dhts[2].peer_id)
+    with averagers(dhts, [config] * 3, faults=[AllReduceFaults(withhold_from=victim), None, None]) as peers:
+        assert peers[2].peer_id == victim
+        results = average_all(peers, deltas, WEIGHTS)
+        owner = list(results[2].group).index(peers[0].peer_id)
+    assert all(r.ok for r in results), [r.reason for r in results]
+    assert len({digest(r.averaged) for r in results}) == 1, "every member holds the same bytes"
+    assert set(results[2].evidence.recovered) == {owner}
+    assert results[2].evidence.recovered[owner] in (peers[1].peer_id,)  # the one other member that holds it
+    assert results[0].evidence.recovered == {} and results[1].evidence.recovered == {}
+    assert set(results[2].coverage.values()) == {1.0}
+    if codec == "fp16":
+        assert max_error(results[2].averaged, weighted_mean(deltas, WEIGHTS)) <= codec_tolerance(codec, deltas)
+
+
+@pytest.mark.timeout(120)
+def test_a_share_that_no_groupmate_holds_stays_failed_and_the_average_is_not_applied(dhts):
+    """Two members: the owner's transfer to the other one is lost and nobody else holds it. That member reports a
+    partial all-reduce (its buffers untouched), quickly; the owner, which holds everything, succeeds."""
+    config = fast_config(target_group_size=2, min_group_size=2)
+    victim = str(dhts[1].peer_id)
+    started = time.monotonic()
+    with averagers(dhts[:2], [config] * 2, faults=[AllReduceFaults(withhold_from=victim), None]) as peers:
+        results = average_all(peers, [random_deltas(0), random_deltas(1)], WEIGHTS[:2])
+    assert results[0].ok, results[0].reason
+    assert not results[1].ok and results[1].reason.startswith("partial all-reduce"), results[1].reason
+    assert results[1].averaged is None and results[1].evidence.recovered == {}
+    assert time.monotonic() - started < 60
+
+
 VICTIM = AVERAGER_CHILD_PREAMBLE + textwrap.dedent(
     """
     deltas = [torch.randn(s) for s in shapes]

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ("convergence", "allreduce", "round_overhead", "bytes_per_round", "validator_cost", "codec_speed")
+BENCHMARKS = ("convergence", "allreduce", "round_overhead", "bytes_per_round", "validator_cost", "codec_speed",
+              "allreduce_load")
 CHANCE_LOSS = math.log(257)  # uniform over the byte vocabulary: θ_0's loss is about this
 
 
@@ -103,6 +104,19 @@ def test_allreduce_quick(outputs):
     assert summary["default_codec"] in ("none", "fp16", "int8") and summary["failed_allreduces"] == 0
     assert summary["all_identical"] is True and summary["checked_rows"] == len(rows)
     assert summary["goal_met"] == (summary["worst_default_codec_over_gloo"] <= 3.0)
+
+
+@pytest.mark.timeout(180)
+def test_allreduce_load_quick(outputs):
+    result = outputs["allreduce_load"]
+    check_common(result, "allreduce_load")
+    assert result["settings"] == dict(lanes=2, rounds=2, peers=2, values=100_000, codec="fp16", timeout_s=60.0)
+    assert result["allreduces"] == result["allreduces_expected"] == 4
+    assert result["member_outcomes"] == 8
+    assert result["members_ok"] + result["members_partial"] + result["members_failed"] == 8
+    assert result["split"] == 0  # members that succeeded always hold the same bytes
+    assert result["members_ok"] >= 6, result  # a lost round under this light load is a regression
+    assert finite(result["round_s_median"]) and result["round_s_max"] >= result["round_s_median"] > 0
 
 
 @pytest.mark.timeout(180)

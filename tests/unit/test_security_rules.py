@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p.servicer import ServicerBase
+from hivemind.proto import averaging_pb2
 
 import template
 
@@ -232,8 +233,17 @@ HANDLERS: dict[str, dict[str, Limited | Gap]] = {
                          "tests/faults/test_rpc_limits.py::test_an_outsiders_parts_are_refused_by_the_group",
                          "tests/integration/test_averaging.py::test_reducer_drops_bad_parts_and_clips_to_the_lower_median")),
     },
+    "CheckedAverager.rpc_fetch_share": {
+        "size": _HIVEMIND_FRAMING,
+        "rate": Limited("members of the sharer's latest group only (others: PROTOCOL_VIOLATION), within a per-peer "
+                        "allowance (max_join_requests_per_minute; past it: BAD_GROUP_ID); a share still arriving is "
+                        "waited for at most reducer_timeout / 2",
+                        ("tests/faults/test_rpc_limits.py::"
+                         "test_share_fetches_serve_the_groups_members_only_within_their_allowance",)),
+    },
 }
 KNOWN_GAPS = {
+    ("CheckedAverager.rpc_fetch_share", "size"),
     ("CheckedAverager.rpc_join_group", "size"),
     ("CheckedAverager.rpc_download_state", "size"),
     ("CheckedAverager.rpc_aggregate_part", "size"),
@@ -302,12 +312,18 @@ def test_the_open_gaps_are_exactly_the_known_ones():
 def test_our_servicer_handlers_keep_hiveminds_wire_form():
     """hivemind derives a handler's wire form (unary or streamed) from its annotations and recognizes typing's
     ``AsyncIterator`` only; an override annotated with ``collections.abc.AsyncIterator`` silently turns a streamed
-    handler into a unary one that no stock peer can call. Our averagers' handlers must keep hivemind's forms. (A
-    runner's ``rpc_aggregate_part`` is called in-process by its averager, never registered, so it is not checked.)"""
+    handler into a unary one that no stock peer can call. Our averagers' handlers must keep hivemind's forms, and our
+    one handler of our own (the relay of a missed share) is a unary request answered by a stream. (A runner's
+    ``rpc_aggregate_part`` is called in-process by its averager, never registered, so it is not checked.)"""
     DecentralizedAverager._collect_rpc_handlers()
     expected = {handler.method_name: handler for handler in DecentralizedAverager._rpc_handlers}
     averagers = [s for s in our_servicers() if issubclass(s, DecentralizedAverager)]
     assert averagers
     for averager in averagers:
         averager._collect_rpc_handlers()
-        assert {handler.method_name: handler for handler in averager._rpc_handlers} == expected, averager.__name__
+        ours = {handler.method_name: handler for handler in averager._rpc_handlers}
+        assert {name: ours[name] for name in expected} == expected, averager.__name__
+        assert set(ours) - set(expected) == {"rpc_fetch_share"}, averager.__name__
+        relay = ours["rpc_fetch_share"]
+        assert (relay.stream_input, relay.stream_output) == (False, True)
+        assert relay.request_type is relay.response_type is averaging_pb2.AveragingData
