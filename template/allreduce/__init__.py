@@ -17,6 +17,7 @@ Modules, from the bottom up:
 - :mod:`~template.allreduce.terms`: what a group's members agree on (layout, ranges, commitments, test faults);
 - :mod:`~template.allreduce.evidence`: what a member saw, typed (read by the validator's audit);
 - :mod:`~template.allreduce.runner`: one group's all-reduce (streams, checks, certificates);
+- :mod:`~template.allreduce.relay`: the shares a member holds, relayed to a groupmate that missed one;
 - :mod:`~template.allreduce.averager_process`: hivemind's averager (matchmaking, its process) running our runner;
 - :mod:`~template.allreduce.confirmation`: members compare owners' certificates after the round;
 - :mod:`~template.allreduce.averager`: the host-side facade, :class:`PseudoGradientAverager`.

@@ -53,7 +53,8 @@ from template.allreduce.contribution import (
     encoded_sizes,
 )
 from template.allreduce.evidence import AllReduceReport
-from template.allreduce.runner import CheckedAllReduceRunner, HeldShares
+from template.allreduce.relay import HeldShares
+from template.allreduce.runner import CheckedAllReduceRunner
 from template.allreduce.terms import AllReduceFaults, OwnContribution, RoundTerms, SegmentLayout
 from template.p2p.hivemind_compat import OwnAllReduceHooks
 from template.p2p.ratelimit import RateLimiter

@@ -16,11 +16,12 @@ fractions. :class:`CheckedAllReduceRunner`
   senders included, the proven refusals), and finally a :class:`~template.allreduce.messages.ShareCertificate`
   in which the owner signs the digest of everything it sent;
 - decodes what every owner returns into the output vector; a share counts only once the owner's certificate over
-  exactly its bytes verifies; keeps each verified share as received (:class:`HeldShares`) to relay it to a groupmate
-  that missed it, and fetches any share it missed itself from a groupmate that holds it (the certificate proves the
-  relayed bytes are the owner's); keeps an audit of the round (:meth:`CheckedAllReduceRunner.report`): who was
-  included in which segment, the proven refusals, the digest of every averaged segment and every owner's signed
-  certificate, for the confirmation between members and for validators.
+  exactly its bytes verifies; keeps each verified share as received (:mod:`template.allreduce.relay`) to relay it
+  to a groupmate that missed it, and fetches any share it missed itself from a groupmate that holds it (the
+  certificate proves the relayed bytes are the owner's); keeps an audit of the round
+  (:meth:`CheckedAllReduceRunner.report`): who was included in which segment, the proven refusals, the digest of
+  every averaged segment and every owner's signed certificate, for the confirmation between members and for
+  validators.
 
 What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stall) or misbehaves:
 
@@ -47,15 +48,13 @@ import asyncio
 import hashlib
 import logging
 import random
-import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter, attach_event_on_finished
 
 from template.allreduce.codecs import CodecError
@@ -80,57 +79,14 @@ from template.allreduce.messages import (
     segments_digest,
 )
 from template.allreduce.reduction import SegmentInput
+from template.allreduce.relay import HeldShares, share_message
 from template.allreduce.segment_reducer import Contribution, SegmentReducer, SegmentResult
 from template.allreduce.terms import OwnContribution, RoundTerms
 
-__all__ = ["CheckedAllReduceRunner", "HeldShares"]
+__all__ = ["CheckedAllReduceRunner"]
 
 logger = logging.getLogger(__name__)
 
-RELAY_POLL_S = 0.05  # how often a relay request for a share still arriving looks again
-
-
-def _message(payload: bytes, *, code: int = averaging_pb2.AVERAGED_PART,
-             weight: float = 0.0) -> averaging_pb2.AveragingData:
-    return averaging_pb2.AveragingData(code=code, tensor_part=runtime_pb2.Tensor(buffer=payload), weight=weight)
-
-
-@dataclass
-class HeldShares:
-    """The owners' shares a member received whole (certificate verified), byte for byte as it received them: what it
-    relays to a groupmate that missed one. The owner's signature covers the bytes, so a relay cannot alter them.
-
-    A request for a share that is still arriving waits (at most ``wait_s``) until it arrived or our exchange with the
-    owners ended (``settled``); it never waits on our own fetching of missed shares, so two members missing the same
-    share cannot wait on each other."""
-
-    group_id: bytes
-    members: tuple[PeerID, ...]
-    wait_s: float
-    shares: dict[int, tuple[tuple[bytes, ...], bytes]] = field(default_factory=dict)  # owner -> (segments, certificate)
-    settled: bool = False  # our exchange with the owners ended: what is not here now will not arrive
-
-    async def serve(self, request: averaging_pb2.AveragingData,
-                    context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """Members of the group only; a share we do not hold whole is answered ``INTERNAL_ERROR`` (ask another)."""
-        if context.remote_id not in self.members or request.group_id != self.group_id:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        try:
-            owner = ShareRequest.unpack(request.tensor_part.buffer, len(self.members)).owner
-        except MessageError:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        give_up = time.monotonic() + self.wait_s
-        while owner not in self.shares and not self.settled and time.monotonic() < give_up:
-            await asyncio.sleep(RELAY_POLL_S)
-        share = self.shares.get(owner)
-        if share is None:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-            return
-        segments, certificate = share
-        for packed in (*segments, certificate):
-            yield _message(packed)
 
 
 class CheckedAllReduceRunner:
@@ -327,7 +283,7 @@ class CheckedAllReduceRunner:
     async def _recover_share(self, owner: int) -> None:
         holders = [p for i, p in enumerate(self.ordered_peer_ids) if i not in (owner, self.my_index)]
         random.shuffle(holders)  # spread the relaying over the members that have it
-        request = _message(ShareRequest(owner).pack(), code=averaging_pb2.PART_FOR_AVERAGING)
+        request = share_message(ShareRequest(owner).pack(), code=averaging_pb2.PART_FOR_AVERAGING)
         request.group_id = self.group_id
         for holder in holders:
             try:
@@ -400,7 +356,7 @@ class CheckedAllReduceRunner:
                 if self.terms.faults.corrupt_segments:
                     data, statement = self._corrupted(segment)
                 payloads.append(SenderSegment(data, statement).pack())
-            messages = [_message(p, code=averaging_pb2.PART_FOR_AVERAGING, weight=self.weight) for p in payloads]
+            messages = [share_message(p, code=averaging_pb2.PART_FOR_AVERAGING, weight=self.weight) for p in payloads]
         else:
             messages = [averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, weight=0.0)
                         for _ in range(stop - start + 1)]
@@ -514,9 +470,9 @@ class CheckedAllReduceRunner:
                 sent.append(packed)
                 offset += 1
                 if not withheld:
-                    yield _message(packed, weight=averaged.weight)
+                    yield share_message(packed, weight=averaged.weight)
             if offset == stop - start and not withheld:
-                yield _message(self._certificate(sent).pack())
+                yield share_message(self._certificate(sent).pack())
         finally:
             if sender_index is not None and offset != reducer.num_segments:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
