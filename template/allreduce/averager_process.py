@@ -92,14 +92,15 @@ class ContributionBuffer:
         buffer[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def read(self, buffer: torch.Tensor) -> OwnContribution:
-        data, offset, segments = buffer.numpy().tobytes(), 0, []
+        data, offset, segments = buffer.numpy(), 0, []  # each piece copied once, straight out of the shared buffer
         for size in self.segment_sizes:
-            segments.append(data[offset:offset + size])
+            segments.append(data[offset:offset + size].tobytes())
             offset += size
         count = self.layout.count
-        leaves = [data[offset + i * DIGEST_BYTES:offset + (i + 1) * DIGEST_BYTES] for i in range(count)]
+        leaves = [data[offset + i * DIGEST_BYTES:offset + (i + 1) * DIGEST_BYTES].tobytes() for i in range(count)]
         offset += count * DIGEST_BYTES
-        statements = [data[offset + i * SIGNATURE_BYTES:offset + (i + 1) * SIGNATURE_BYTES] for i in range(count)]
+        statements = [data[offset + i * SIGNATURE_BYTES:offset + (i + 1) * SIGNATURE_BYTES].tobytes()
+                      for i in range(count)]
         return OwnContribution(tuple(segments), tuple(leaves), tuple(statements))
 
 
@@ -168,6 +169,9 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         # a member fetches at most one share per owner and round: the join allowance is ample
         self._share_limiter = RateLimiter(max_join_requests_per_minute)
         self._held_shares: HeldShares | None = None  # the latest group's shares, for members that missed one
+        # the runners' output, reused every round (allocated in the averager process, on its first all-reduce):
+        # all-reduces run one at a time, under the averaged tensors' lock, and a runner writes it only while it runs
+        self._runner_output: torch.Tensor | None = None
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # hivemind derives each handler's wire form from its annotations and recognizes typing's AsyncIterator only
@@ -224,7 +228,9 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
             clip_multiple=self._norm_clip_multiple,
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
+            output=self._runner_output,
         )
+        self._runner_output = runner.output
         self.serve_runner(group_id, runner)
         self._held_shares = runner.held  # relayed from now on, until our next group (one share set in memory)
         await runner.execute()

@@ -66,6 +66,7 @@ from template.allreduce.codec_base import (
     RawCodec,
     SegmentCodec,
     _check_values,
+    all_finite,
 )
 from template.allreduce.sparse_codec import SparseCodec, SparseSettings
 
@@ -83,6 +84,7 @@ __all__ = [
     "SegmentCodec",
     "SparseCodec",
     "SparseSettings",
+    "all_finite",
     "encode_segments",
     "encode_with_feedback",
     "get_codec",

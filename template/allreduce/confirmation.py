@@ -29,7 +29,8 @@ __all__ = ["confirm_shares"]
 logger = logging.getLogger(__name__)
 
 CONFIRMATION_TTL_S = 120.0  # how long members' confirmation records live in the DHT
-CONFIRMATION_POLL_S = 0.2
+CONFIRMATION_POLL_S = 0.2  # the longest pause between two reads of the members' confirmations
+CONFIRMATION_FIRST_POLL_S = 0.01  # the first pause; each next one doubles up to CONFIRMATION_POLL_S
 
 
 def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllReduceEvidence, group_id: bytes,
@@ -44,6 +45,8 @@ def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllRe
         logger.warning("could not post our confirmation: %r", err)
         return ()
     keys = _owner_keys(evidence, gathered)
+    # members finish within milliseconds of each other: poll soon, then back off (the same reads, fewer waits)
+    pause = CONFIRMATION_FIRST_POLL_S
     while True:
         found = dht.get(key, latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
@@ -60,7 +63,8 @@ def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllRe
             return conflicts
         if len(entries) >= len(gathered) or time.time() >= until:
             return ()
-        time.sleep(CONFIRMATION_POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, CONFIRMATION_POLL_S)
 
 
 def _owner_keys(evidence: AllReduceEvidence, gathered: Mapping[str, Any]) -> dict[int, str]:

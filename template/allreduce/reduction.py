@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from template.allreduce.codecs import CodecError, SegmentCodec
+from template.allreduce.codecs import CodecError, SegmentCodec, all_finite
 
 # A sender's weight (tokens) counts at most this many times the lower median of the group's announced weights.
 WEIGHT_CAP_MULTIPLE = 4.0
@@ -81,7 +81,7 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
         expected = announced[item.sender]
         if expected is None or not math.isfinite(item.weight) or item.weight != expected:
             dropped.append((item.sender, f"weight {item.weight} differs from the announced weight {expected}"))
-        elif not bool(torch.isfinite(values).all()):
+        elif not all_finite(values):
             dropped.append((item.sender, "non-finite values"))
         elif item.weight > 0:
             valid.append((item.sender, values, min(item.weight, cap)))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException
 
-from template.allreduce.codecs import SegmentCodec
+from template.allreduce.codecs import SegmentCodec, all_finite
 from template.allreduce.messages import AveragedSegment, Refusal
 from template.allreduce.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
 
@@ -171,7 +171,7 @@ class SegmentReducer:
             self.clipped.append((self.sender_names[sender], segment, factor))
             logger.info("clipped segment %d from %s by %.3g", segment, self.sender_names[sender], factor)
         decoded = self.codec.decode_average(reduced.data, self.segment_numels[segment])
-        if not bool(torch.isfinite(decoded).all()):
+        if not all_finite(decoded):
             raise AllreduceException("the average is not finite")
         return SegmentResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals), decoded)
 

@@ -17,6 +17,7 @@ from template.allreduce.codecs import (
     CodecError,
     SparseCodec,
     SparseSettings,
+    all_finite,
     encode_segments,
     encode_with_feedback,
     get_codec,
@@ -183,6 +184,17 @@ def test_same_input_same_bytes_same_bits_on_any_thread_count(name):
 
 
 # ------------------------------------------------------------------------------------------- non-finite
+
+
+@given(st.integers(0, 2000), st.integers(0, 1999), st.sampled_from([None, math.nan, -math.nan, math.inf, -math.inf]),
+       st.integers(0, 2**31 - 1))
+@settings(max_examples=300, deadline=None)
+def test_all_finite_is_isfinite_all(n, position, bad, seed):
+    x = gaussian(n, seed)
+    if bad is not None and n:
+        x[position % n] = bad
+    assert all_finite(x) == bool(torch.isfinite(x).all())
+    assert all_finite(x.to(torch.float16).to(torch.float32)) == bool(torch.isfinite(x.to(torch.float16)).all())
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
