@@ -19,7 +19,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ("convergence", "allreduce", "round_overhead", "bytes_per_round", "validator_cost", "codec_speed",
-              "allreduce_load")
+              "allreduce_load", "dataplane")
 CHANCE_LOSS = math.log(257)  # uniform over the byte vocabulary: θ_0's loss is about this
 
 
@@ -117,6 +117,18 @@ def test_allreduce_load_quick(outputs):
     assert result["split"] == 0  # members that succeeded always hold the same bytes
     assert result["members_ok"] >= 6, result  # a lost round under this light load is a regression
     assert finite(result["round_s_median"]) and result["round_s_max"] >= result["round_s_median"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_dataplane_quick(outputs):
+    result = outputs["dataplane"]
+    check_common(result, "dataplane")
+    (row,) = result["rows"]
+    assert (row["peers"], row["size"], row["codec"]) == (2, 300_000, "fp16")
+    assert row["identical"] is True and 0 <= row["max_abs_error"] <= 2 * 6 * 2.0**-11  # fp16 in and out
+    assert finite(row["gloo_s"]) and row["gloo_s"] > 0 and finite(row["dataplane_s"]) and row["dataplane_s"] > 0
+    assert row["dataplane_over_gloo"] == pytest.approx(row["dataplane_s"] / row["gloo_s"])
+    assert result["summary"]["goal_met"] == (result["summary"]["worst_over_gloo"] <= 3.0)
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,221 @@
+"""Could another data plane bring the accountable all-reduce within 3× of gloo? torch.distributed point-to-point.
+
+``python -m benchmarks.dataplane [--quick] [--size 10000000] [--peers 2,4] [--repeats 3]``
+
+hivemind's transport alone (every byte through the p2p daemon, no compute) was measured at 2–4× gloo's whole
+all-reduce on this machine (docs/benchmarks.md §2), so the hivemind butterfly cannot reach 3×. This measures the
+same accountable butterfly with torch.distributed's gloo point-to-point (``isend``/``irecv`` over TCP on 127.0.0.1)
+as the data plane — what hivemind would keep is discovery and matchmaking, not measured here — and the same work on
+every segment as :mod:`template.allreduce.runner` does:
+
+- the contribution is encoded once with the run's codec (fp16) into segments, their Merkle leaves committed before
+  the all-reduce (exchanged with ``all_gather`` outside the timed window, as the gather carries the signed root);
+- scatter-reduce: each sender sends its segments of every owner's range; the owner hashes each segment against the
+  sender's leaf before it counts, and applies the owner's rule (:func:`template.allreduce.reduction.reduce_segment`:
+  decode, finite and weight checks, norm clipping, float64 weighted mean, encode once);
+- all-gather: the owner signs a certificate over the digest of its averaged segments (sr25519, one per member) and
+  sends the same bytes to every member; each member checks the certificate, decodes every segment, checks it finite.
+
+Reported per peer count, in the same run and the same process group: gloo's float32 ``all_reduce`` (the baseline),
+this data plane's time (slowest rank, from a barrier), their ratio, whether every rank holds bit-identical averages,
+and the max abs error against the exact mean. fp16 only (its averaged segments have a fixed size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from benchmarks.common import REPO_ROOT, emit, machine_info, median, ratio, setup_logging
+
+DEFAULT_GOAL = 3.0
+
+
+def make_tensor(rank: int, repeat: int, size: int) -> torch.Tensor:
+    return torch.randn(size, generator=torch.Generator().manual_seed(1000 * repeat + rank))
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank: gloo all_reduce and the checked point-to-point butterfly, ``warmup + repeats`` times each."""
+    import torch.distributed as dist
+
+    from template.allreduce.codecs import all_finite, get_codec
+    from template.allreduce.contribution import encode_contribution, leaf_digest
+    from template.allreduce.messages import certificate_bytes, segments_digest
+    from template.allreduce.reduction import SegmentInput, reduce_segment, weight_cap
+    from template.allreduce.terms import SegmentLayout
+    from template.p2p.keys import ephemeral_signer, verify_signature
+
+    rank, world, size = args.rank, args.world, args.size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
+    codec = get_codec("fp16")
+    layout = SegmentLayout(size, codec.segment_values)
+    ranges = layout.ranges([1.0] * world)
+    weights = [1.0] * world
+    cap = weight_cap(weights)
+    signer = ephemeral_signer()
+    keys = _all_gather_bytes(dist, signer.key.encode(), world)  # ss58 addresses (equal length): in the gather
+
+    def segment_bytes(segments: tuple[bytes, ...], start: int, stop: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(b"".join(segments[start:stop])), dtype=torch.uint8)
+
+    def sizes(start: int, stop: int) -> list[int]:
+        return [codec.encoded_size(layout.numel_of(k)) for k in range(start, stop)]
+
+    def butterfly(contribution) -> tuple[torch.Tensor, float]:
+        """The timed part: scatter-reduce with checks, then all-gather of the certified averages."""
+        leaves = _all_gather_leaves(dist, contribution.leaves, world)  # committed before: untimed in real runs
+        dist.barrier()
+        started = time.perf_counter()
+        start, stop = ranges[rank]
+        mine = sizes(start, stop)
+        owners = [o for o in range(world) if ranges[o][1] > ranges[o][0]]  # a rank may own nothing
+        inbox = {s: torch.empty(sum(mine), dtype=torch.uint8) for s in range(world) if s != rank and mine}
+        work = [dist.irecv(inbox[s], src=s) for s in inbox]
+        work += [dist.isend(segment_bytes(contribution.segments, *ranges[o]), dst=o) for o in owners if o != rank]
+        for w in work:
+            w.wait()
+        averaged, offset = [], 0
+        for k, length in zip(range(start, stop), mine, strict=True):
+            inputs = []
+            for s in range(world):
+                data = contribution.segments[k] if s == rank else inbox[s][offset:offset + length].numpy().tobytes()
+                if leaf_digest(data) != leaves[s][k]:
+                    raise RuntimeError(f"segment {k} of sender {s} does not match its leaf")
+                inputs.append(SegmentInput(s, data, weights[s]))
+            averaged.append(reduce_segment(inputs, layout.numel_of(k), codec, weights, 3.0, cap).data)
+            offset += length
+        digest = segments_digest(averaged)
+        signature = signer.sign(certificate_bytes("bench", 0, b"group", rank, start, stop, digest, bytes(32)))
+        share = torch.frombuffer(bytearray(b"".join(averaged) + signature), dtype=torch.uint8)
+        received = {o: torch.empty(sum(sizes(*ranges[o])) + len(signature), dtype=torch.uint8)
+                    for o in owners if o != rank}
+        work = [dist.irecv(received[o], src=o) for o in received]
+        work += [dist.isend(share, dst=m) for m in range(world) if m != rank and mine]
+        for w in work:
+            w.wait()
+        output = torch.empty(size, dtype=torch.float32)
+        for o in owners:
+            o_start, o_stop = ranges[o]
+            blob = share.numpy().tobytes() if o == rank else received[o].numpy().tobytes()
+            parts, offset = [], 0
+            for k, length in zip(range(o_start, o_stop), sizes(o_start, o_stop), strict=True):
+                data = blob[offset:offset + length]
+                offset += length
+                values = codec.decode_average(data, layout.numel_of(k))
+                if not all_finite(values):
+                    raise RuntimeError(f"owner {o}'s average of segment {k} is not finite")
+                first, last = layout.values(k, k + 1)
+                output[first:last] = values
+                parts.append(data)
+            message = certificate_bytes("bench", 0, b"group", o, o_start, o_stop, segments_digest(parts), bytes(32))
+            if not verify_signature(keys[o].decode(), message, blob[offset:]):
+                raise RuntimeError(f"owner {o}'s certificate does not verify")
+        elapsed = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return output, float(elapsed)
+
+    rows = []
+    for repeat in range(args.warmup + args.repeats):
+        x = make_tensor(rank, repeat, size)
+        reduced = x.clone()
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(reduced)
+        reduced.div_(world)
+        gloo = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(gloo, op=dist.ReduceOp.MAX)
+        output, seconds = butterfly(encode_contribution(codec, x))
+        digests = _all_gather_bytes(dist, hashlib.sha256(output.numpy().tobytes()).digest(), world)
+        exact = sum(make_tensor(r, repeat, size).double() for r in range(world)) / world
+        if repeat >= args.warmup:
+            rows.append(dict(gloo_s=float(gloo), dataplane_s=seconds, identical=len(set(digests)) == 1,
+                             max_abs_error=float((output.double() - exact).abs().max())))
+    if rank == 0:
+        print(json.dumps(dict(world=world, rows=rows)), flush=True)
+    dist.destroy_process_group()
+
+
+def _all_gather_bytes(dist, data: bytes, world: int) -> list[bytes]:
+    """Equal-length byte strings from every rank (no pickling: fixed-size uint8 tensors)."""
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    return [g.numpy().tobytes() for g in gathered]
+
+
+def _all_gather_leaves(dist, leaves: tuple[bytes, ...], world: int) -> list[list[bytes]]:
+    joined = _all_gather_bytes(dist, b"".join(leaves), world)
+    return [[blob[i:i + 32] for i in range(0, len(blob), 32)] for blob in joined]
+
+
+def run_world(world: int, args: argparse.Namespace) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(REPO_ROOT))
+    command = [sys.executable, "-m", "benchmarks.dataplane", "--size", str(args.size), "--repeats", str(args.repeats),
+               "--warmup", str(args.warmup), "--world", str(world), "--port", str(port)]
+    ranks = [subprocess.Popen([*command, "--rank", str(r)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+             for r in range(world)]
+    try:
+        out, _ = ranks[0].communicate(timeout=args.timeout)
+        for process in ranks[1:]:
+            process.wait(timeout=60)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+    if ranks[0].returncode != 0:
+        raise RuntimeError(f"rank 0 of {world} exited with {ranks[0].returncode}")
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    rows = result["rows"]
+    gloo, plane = median([r["gloo_s"] for r in rows]), median([r["dataplane_s"] for r in rows])
+    return dict(peers=world, size=args.size, codec="fp16", gloo_s=gloo, dataplane_s=plane,
+                dataplane_over_gloo=ratio(plane, gloo), identical=all(r["identical"] for r in rows),
+                max_abs_error=max(r["max_abs_error"] for r in rows), repeats=rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dataplane", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="300k values, 2 peers, 1 repeat")
+    parser.add_argument("--size", type=int, default=None, help="float32 values per peer (default 1e7)")
+    parser.add_argument("--peers", default=None, help="peer counts (default 2,4)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (median); default 3")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed repeats first; default 1")
+    parser.add_argument("--timeout", type=float, default=600.0, help="bound of one peer count's run, seconds")
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)  # internal: one rank
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.size = args.size or (300_000 if args.quick else 10_000_000)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    setup_logging()
+    if args.rank is not None:
+        rank_main(args)
+        return
+    peers = [int(p) for p in (args.peers or ("2" if args.quick else "2,4")).split(",")]
+    machine, started = machine_info(), time.monotonic()
+    rows = [run_world(world, args) for world in peers]
+    worst = max(r["dataplane_over_gloo"] for r in rows)
+    emit(dict(benchmark="dataplane", quick=args.quick, machine=machine, seconds=time.monotonic() - started,
+              rows=rows, summary=dict(goal_over_gloo=DEFAULT_GOAL, worst_over_gloo=worst,
+                                      goal_met=worst <= DEFAULT_GOAL,
+                                      all_identical=all(r["identical"] for r in rows))))
+
+
+if __name__ == "__main__":
+    main()
