@@ -23,7 +23,12 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from template.p2p.hivemind_compat import check_hivemind_version, dial, visible_maddrs_coroutine
+from template.p2p.hivemind_compat import (
+    DHTSurvivingDeadSenders,
+    check_hivemind_version,
+    dial,
+    visible_maddrs_coroutine,
+)
 
 __all__ = ["DHTConfig", "DHTStartError", "connect_peers", "start_dht", "visible_maddrs"]
 
@@ -80,7 +85,7 @@ def start_dht(config: DHTConfig | None = None) -> hivemind.DHT:
     config = config or DHTConfig()
     last_error: BaseException | None = None
     for attempt in range(1, config.start_attempts + 1):
-        dht = hivemind.DHT(start=False, **_dht_kwargs(config))
+        dht = DHTSurvivingDeadSenders(start=False, **_dht_kwargs(config))
         try:
             dht.run_in_background(await_ready=True, timeout=config.start_timeout)
             return dht

@@ -14,13 +14,16 @@ The private members, and where they are used:
   ``rpc_aggregate_part`` calls to it), ``._state_updated`` (wakes state sharing), ``._p2p`` (the averager's libp2p
   host): :class:`OwnAllReduceHooks`;
 - ``DHT._get_visible_maddrs``: :func:`visible_maddrs_coroutine`;
+- ``DHT._inner_pipe`` (the DHT process's end of its request pipe): :class:`DHTSurvivingDeadSenders`;
 - ``P2P._client`` (the p2p daemon's client): :func:`dial`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import hivemind
@@ -28,10 +31,12 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-__all__ = ["HIVEMIND_VERSION", "OwnAllReduceHooks", "check_hivemind_version", "dial",
+__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OwnAllReduceHooks", "check_hivemind_version", "dial",
            "visible_maddrs_coroutine"]
 
 HIVEMIND_VERSION = "1.1.12"
+
+logger = logging.getLogger(__name__)
 
 
 def check_hivemind_version(version: str | None = None) -> None:
@@ -86,6 +91,47 @@ class OwnAllReduceHooks:
         self._own_reports[group_id] = await self.run_group_allreduce(
             tensors, group_info, group_id, peer_fractions=peer_fractions, weight=weight,
             sender_timeout=sender_timeout, reducer_timeout=reducer_timeout)
+
+
+class DHTSurvivingDeadSenders(hivemind.DHT):
+    """hivemind's DHT, whose process survives a request sent by a process that died before the DHT read it.
+
+    Why: every request carries the sender's result pipe, which the DHT process rebuilds when it unpickles the request
+    by connecting back to the sender (multiprocessing's resource sharer). When the sender has exited meanwhile (an
+    averager shut down while its matchmaking's DHT requests were queued — it happened on nearly every shutdown of an
+    averager in matchmaking), that fails: with ``EOFError``, which hivemind's request loop does not catch, so the DHT
+    process died and every later call on that node hung or failed (a new averager on the node failed to start in 3 of
+    12 tries); or with ``FileNotFoundError``/``ConnectionResetError``, which it catches and then stalls every request
+    for ``wait_timeout`` (3 s). Here a request whose sender is gone is skipped at once (logged): nobody waits for its
+    answer. Only a failure to *rebuild* a request is skipped; a failure of the pipe itself still reaches hivemind.
+    """
+
+    def run(self) -> None:  # runs in the DHT process
+        self._inner_pipe = _SkipRequestsOfDeadSenders(self._inner_pipe)
+        super().run()
+
+    async def _skip_request(self) -> None:
+        """What the DHT process runs in place of a request whose sender is gone: nothing."""
+
+
+class _SkipRequestsOfDeadSenders:
+    """The DHT process's end of its request pipe, reading each request as hivemind's ``Connection.recv`` does (these
+    are our own processes' requests on a local pipe, rebuilt with multiprocessing's pickler exactly as before), except
+    that a request whose sender died becomes a call of :meth:`DHTSurvivingDeadSenders._skip_request`."""
+
+    def __init__(self, connection) -> None:
+        self._connection = connection
+
+    def recv(self):
+        data = self._connection.recv_bytes()
+        try:
+            return ForkingPickler.loads(data)
+        except (EOFError, OSError) as err:
+            logger.warning("skipped a DHT request whose sender process is gone (%r)", err)
+            return "_skip_request", [], {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._connection, name)
 
 
 def visible_maddrs_coroutine():

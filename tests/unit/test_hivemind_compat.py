@@ -100,3 +100,38 @@ def test_no_other_module_touches_a_private_hivemind_member():
             text = path.read_text()
             offenders += [f"{path.relative_to(REPO)}: {name}" for name in privates if name in text]
     assert not offenders, offenders
+
+
+def test_private_dht_inner_pipe_is_read_by_the_request_loop_which_does_not_catch_eoferror():
+    source = inspect.getsource(hivemind.DHT.run)
+    assert "method, args, kwargs = self._inner_pipe.recv()" in source
+    assert "except (OSError, ConnectionError, RuntimeError)" in source  # no EOFError: why the wrapper exists
+    assert "getattr(self, method)(*args, **kwargs)" in source  # how the skipped request runs
+
+
+def _sender_gone():
+    """What rebuilding a dead sender's result pipe raises in the DHT process."""
+    raise EOFError
+
+
+class RequestOfADeadSender:
+    def __reduce__(self):
+        return _sender_gone, ()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_of_a_dead_sender_is_skipped_and_the_dht_keeps_serving():
+    """Before: the DHT process died on such a request (EOFError, uncaught), and every later call on it hung."""
+    from hivemind.utils import get_dht_time
+
+    from template.p2p.dht import start_dht
+
+    dht = start_dht()
+    try:
+        assert isinstance(dht, hivemind_compat.DHTSurvivingDeadSenders)
+        dht._outer_pipe.send(RequestOfADeadSender())  # as a request whose sender exited before it was read
+        assert dht.store("key", "value", expiration_time=get_dht_time() + 30)
+        assert dht.get("key", latest=True).value == "value"
+        assert dht.is_alive()
+    finally:
+        dht.shutdown()

@@ -42,7 +42,14 @@ ALWAYS_UNSAFE = {
     "yaml.unsafe_load_all", "yaml.full_load_all",
     *(f"torch.distributed.{name}" for name in ("broadcast_object_list", "all_gather_object", "gather_object",
                                                 "scatter_object_list", "recv_object_list")),
-    "eval", "exec", "builtins.eval", "builtins.exec",
+    "eval", "exec", "builtins.eval", "builtins.exec", "multiprocessing.reduction.ForkingPickler.loads",
+}
+# Reviewed uses, each with why it is safe; the scan fails if one disappears (an allowance must not outlive its use).
+REVIEWED = {
+    "template/p2p/hivemind_compat.py": (
+        "multiprocessing.reduction.ForkingPickler.loads()",
+        "the DHT process reads its own request pipe as hivemind's Connection.recv does: requests of this machine's own "
+        "forked processes on a local pipe, never bytes from the network or another peer"),
 }
 SAFE_YAML_LOADERS = {"yaml.SafeLoader", "yaml.CSafeLoader"}
 
@@ -122,7 +129,10 @@ def test_our_sources_deserialize_nothing_unsafely():
     files = scanned_files()
     assert len(files) > 30 and any(p.name == "miner.py" for p in files)  # the scan really covers the code base
     findings = [f for path in files for f in unsafe_calls(path.read_text(), str(path.relative_to(REPO)))]
-    assert not findings, "unsafe deserialization or code execution:\n" + "\n".join(findings)
+    reviewed = [f for f in findings if f.split(":")[0] in REVIEWED and f.endswith(REVIEWED[f.split(":")[0]][0])]
+    assert sorted({f.split(":")[0] for f in reviewed}) == sorted(REVIEWED), "a reviewed use is gone: drop its entry"
+    unsafe = [f for f in findings if f not in reviewed]
+    assert not unsafe, "unsafe deserialization or code execution:\n" + "\n".join(unsafe)
 
 
 @pytest.mark.parametrize(
@@ -154,6 +164,7 @@ def test_our_sources_deserialize_nothing_unsafely():
         "exec(compile(received, 'x', 'exec'))",
         "import builtins\nbuiltins.eval(text)",
         "from hivemind.utils.serializer import PickleSerializer\nPickleSerializer.loads(blob)",
+        "from multiprocessing.reduction import ForkingPickler\nForkingPickler.loads(data)",
         "def handler(message):\n    import pickle\n    return pickle.loads(message)",
     ],
 )
