@@ -11,12 +11,14 @@ back through a shared float buffer, written only when the result is complete, to
 
 What is guaranteed when a peer disappears mid-round or misbehaves:
 
-- A peer whose result is missing *any* part (an owner died or sent garbage, hivemind's "received X%
-  results") reports a failure and its averaging buffers are left untouched: a partial result is never
-  returned as success. The failure is reported without raising, so hivemind neither logs it as a crash nor
-  retries it (a retry in a new group could give two "successful" peers different averages).
-- A peer that floods us with join requests or state downloads beyond its per-minute allowance is turned away
-  (logged); the all-reduce handler serves members of a running group only.
+- A peer whose result still misses *any* segment after it asked its groupmates for the shares it missed (an owner
+  died or sent garbage and no groupmate holds that share: :mod:`template.allreduce.relay`) reports a failure and its
+  averaging buffers are left untouched: a partial result is never returned as success. The failure is reported
+  without raising, so hivemind neither logs it as a crash nor retries it (a retry in a new group could give two
+  "successful" peers different averages).
+- A peer that floods us with join requests, state downloads or share fetches beyond its per-minute allowance is
+  turned away (logged); the all-reduce handler serves members of a running group only, the share relay members of
+  our latest group only.
 
 Note: the RPC handle names contain the averager's class name (:class:`CheckedAverager`); it is part of the
 wire protocol, which also differs from stock hivemind's, so a stock ``DecentralizedAverager`` cannot join.

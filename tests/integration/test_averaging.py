@@ -241,7 +241,7 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
     that returns the negated average to every member: the members agree on the wrong bytes (they cannot check an
     average), and the recomputation convicts that owner. An owner that lies to only some: the members' signed
     certificates conflict, every member refuses the round (θ unchanged, never a mix) and the owner is convicted.
-    (This test found auxiliaries computing other segment ranges than the senders: template/training/averaging.py.)"""
+    (This test found auxiliaries computing other segment ranges than the senders: template/allreduce/averager.py.)"""
     config = fast_config(compression=codec)
     configs = [config, config, dataclasses.replace(config, auxiliary=True)]
     faults = [None, AllReduceFaults(lie=lie), None]
