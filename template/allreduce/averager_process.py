@@ -28,6 +28,7 @@ hivemind derives each handler's wire form from them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import typing
@@ -68,6 +69,7 @@ logger = logging.getLogger(__name__)
 # runs in the host process when a peer downloads our state: (metadata, tensors)
 StateProvider = Callable[[], "tuple[dict, Sequence[torch.Tensor]]"]
 SIGNATURE_BYTES = 64  # sr25519
+HELD_SHARES_TTL_REDUCER_TIMEOUTS = 3  # how long (in reducer timeouts) a finished group's shares stay relayable
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,10 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         self.serve_runner(group_id, runner)
         self._held_shares = runner.held  # relayed from now on, until our next group (one share set in memory)
         await runner.execute()
+        # a groupmate that missed a share asks within its own exchange's bounds: after that, free the memory (the
+        # whole vector in its encoded form)
+        ttl = HELD_SHARES_TTL_REDUCER_TIMEOUTS * reducer_timeout
+        asyncio.get_event_loop().call_later(ttl, self._release, runner.held)
         report = runner.report()
         # hivemind would call a partial result a success; we report it as a failure (without raising, so that
         # hivemind neither logs it as a crash nor retries) and leave the buffers untouched. Every registered segment
@@ -248,6 +254,10 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
             output.copy_(runner.output)
             self.mark_averaged()
         return report
+
+    def _release(self, held: HeldShares) -> None:
+        if self._held_shares is held:
+            self._held_shares = None
 
     def _terms(self, me: Member, members: list[Member]) -> RoundTerms:
         """What this round is about (from our own gathered data), and each sender's commitment when it is signed
