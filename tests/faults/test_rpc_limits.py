@@ -129,7 +129,10 @@ def test_parts_for_no_running_group_are_refused(hosts):
                                                weight=1.0)
             return [reply.code for reply in await replies_of(stub.rpc_aggregate_part(as_aiter(part, part)))]
 
-        codes = run(loop, send_parts(), timeout=20)
+        for _ in range(3):  # the stream closed before the refusal's reply was read in 1 CI run: ask again
+            codes = run(loop, send_parts(), timeout=20)
+            if codes:
+                break
         run(loop, outsider.shutdown())
     assert codes == [averaging_pb2.BAD_GROUP_ID]
 

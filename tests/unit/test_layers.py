@@ -10,6 +10,7 @@ under the chain facade. Read from the source with ``ast``: nothing is imported o
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +57,10 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
+    """The package's import graph, parsed once per test session (callers only read it): CPython 3.11.7's ``ast.parse``
+    raised "AST constructor recursion depth mismatch" once on CI when the graph was parsed a third time."""
     return {module_name(path): imports_of(path) for path in PACKAGE.rglob("*.py")}
 
 
