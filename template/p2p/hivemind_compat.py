@@ -102,8 +102,9 @@ class DHTSurvivingDeadSenders(hivemind.DHT):
     averager in matchmaking), that fails: with ``EOFError``, which hivemind's request loop does not catch, so the DHT
     process died and every later call on that node hung or failed (measured: the DHT died at the 3rd of 12 averager
     restarts on one node, and the next averager never started); or with ``FileNotFoundError`` or
-    ``ConnectionResetError``, which it catches and then stalls every request for ``wait_timeout`` (3 s). Here a request whose sender is gone is skipped at once (logged): nobody waits for its
-    answer. Only a failure to *rebuild* a request is skipped; a failure of the pipe itself still reaches hivemind.
+    ``ConnectionResetError``, which it catches and then stalls every request for ``wait_timeout`` (3 s). Here a
+    request whose sender is gone is skipped at once (logged): nobody waits for its answer. Only a failure to
+    *rebuild* a request is skipped; a failure of the pipe itself still reaches hivemind.
     """
 
     def run(self) -> None:  # runs in the DHT process
