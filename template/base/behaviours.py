@@ -28,7 +28,7 @@ what this miner trains (steps, windows); :meth:`MinerBehaviour.contribution` cho
 encoded once, committed by the hotkey and sent as exactly those bytes; :meth:`MinerBehaviour.publication` may publish
 something other than the contribution (validators then see that the publication is not what went in);
 :meth:`MinerBehaviour.after_round` sees each round's outcome. :attr:`MinerBehaviour.allreduce_faults` are
-misbehaviours inside the all-reduce protocol (:class:`~template.allreduce.runner.AllReduceFaults`).
+misbehaviours inside the all-reduce protocol (:class:`~template.allreduce.terms.AllReduceFaults`).
 Since a contribution is committed before the round's average exists, no behaviour can contribute the current round's
 Δ̄: copies can only be of what a miner has (an older Δ̄, a leaked Δ, its own old Δ).
 """
