@@ -9,7 +9,8 @@ For each preset (tiny; small unless skipped), on CPU with the torch threads a ne
 - ``t_miner``: the wall time of :meth:`RoundScorer.score` over ``--miners`` distinct pseudo-gradients (made by
   short real training runs from θ_r, then perturbed so that no two are copies), divided by the number of miners —
   everything the validator does per miner after the fetch: integrity checks, sketches, copy and replay detection and
-  the loss probes on 16 + 16 windows;
+  the loss probes: the round's free updates (Δ̄_{r−1} at three scales) on the pick and scoring windows once, then
+  every miner on the same 32 scoring windows;
 - ``ratio = t_miner / t_step``, and for tiny whether 16 miners fit the scoring budget of one round of the local
   network's default length (``template.localnet.LocalnetConfig``).
 
@@ -84,7 +85,8 @@ def measure(preset: str, batch_size: int, miners: int, steps: int, repeats: int)
     candidates = [Candidate(f"miner-{i}", i, delta, theta_hash, 5, coverage=1.0)
                   for i, delta in enumerate(deltas)]
     started = time.perf_counter()
-    verdicts = scorer.score(RoundContext(0, theta, theta_hash, None, 0, 10), candidates)
+    context = RoundContext(0, theta, theta_hash, None, 0, 10, previous_average=base_delta, contributors=miners)
+    verdicts = scorer.score(context, candidates)
     total = time.perf_counter() - started
     if any(v.reason for v in verdicts):
         raise RuntimeError(f"a benchmark miner was refused: {[v.reason for v in verdicts if v.reason]}")

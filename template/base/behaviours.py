@@ -17,11 +17,15 @@ attacks or training strategies (``--miner.behaviour my_module:MyBehaviour``, a s
 | noisy-average  | 1 inner step (claims its tokens) | the last Δ̄ it received + ``rel`` noise  | what it contributed    |
 | stale-average  | 1 inner step                     | the Δ̄ of ``lag`` (2) rounds ago + noise | what it contributed    |
 | partial        | ``fraction`` of its H steps      | its Δ                                  | what it contributed    |
+| skips-one      | as honest; nothing in its 3rd round | its Δ (empty in its 3rd round)       | what it contributed    |
 | twofaced       | its assigned windows             | −Δ                                     | Δ                      |
 | twofaced-zero  | its assigned windows             | ~0 (1e-6 × Δ), its tokens claimed       | Δ                      |
 | equivocator    | its assigned windows             | segments other than those it committed | what it committed      |
 | liar-reducer   | its assigned windows             | its Δ; as an owner, wrong averages     | what it contributed    |
 | framer         | its assigned windows             | its Δ; as an owner, refuses a sender   | what it contributed    |
+
+:attr:`MinerBehaviour.honest` marks the behaviours that do honest work (``honest``, ``skips-one``, and a plug-in that
+sets it or subclasses :class:`Honest`): the local network's report judges the model and the rounds by those miners.
 
 A behaviour is a few functions of values: :meth:`MinerBehaviour.plan` turns the engine's plain plan for a round into
 what this miner trains (steps, windows); :meth:`MinerBehaviour.contribution` chooses what enters the all-reduce —
@@ -49,6 +53,7 @@ class MinerBehaviour:
     """Base class: honest DiLoCo. Override what differs (module docstring)."""
 
     name = "honest"
+    honest = False  # does honest work (the local network's report counts such miners as honest)
     allreduce_faults = AllReduceFaults()
 
     def plan(self, plan: RoundPlan) -> RoundPlan:
@@ -69,6 +74,24 @@ class MinerBehaviour:
 
 class Honest(MinerBehaviour):
     name = "honest"
+    honest = True
+
+
+class SkipsOne(Honest):
+    """Honest, but sits out one round (its ``skip``-th, counted from 1): it trains nothing then and joins the
+    all-reduce with an empty Δ and no tokens (a miner's averager cannot turn auxiliary for one round), yet holds the
+    same θ as everyone after it — a round missed through nobody's proven fault, which should cost it about one
+    round's credit, never more."""
+
+    name = "skips-one"
+
+    def __init__(self, skip: int = 3) -> None:
+        self.skip = skip
+        self._planned = 0
+
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        self._planned += 1
+        return _trains_nothing(plan) if self._planned == self.skip else plan
 
 
 def _trains_nothing(plan: RoundPlan) -> RoundPlan:
@@ -300,7 +323,7 @@ class Framer(MinerBehaviour):
 
 BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Overfitter, Copycat, NoisyAverage,
                                       StaleAverage, Partial, TwoFaced, TwoFacedZero, Equivocator, LiarReducer,
-                                      SplitLiarReducer, Framer)}
+                                      SplitLiarReducer, Framer, SkipsOne)}
 # the built-ins that take an option, and which (``--miner.rel``, ``--miner.fraction``)
 OPTIONS = {NoisyAverage: "rel", StaleAverage: "rel", Partial: "fraction"}
 

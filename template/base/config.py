@@ -108,20 +108,17 @@ class ValidatorSettings:
 
     allow_no_permit: bool = _help("run even without a validator permit (weights from such a validator do not count)",
                                   default=False)
-    eval_windows: int = _help("windows of assigned and of other data evaluated per miner",
+    eval_windows: int = _help("windows every miner of a round is scored on (the same for all: cost vs noise)",
                               default=ScoringConfig.eval_windows)
     max_miners: int = _help("miners scored per round, least recently scored first (0 = all)", default=0)
     fetch_timeout: float = _help("seconds one publication fetch may take", default=20.0)
     ema_alpha: float = _help("weight of the newest round in the score average", default=RewardConfig.ema_alpha)
     power: float = _help("weights are score ** power, normalized", default=RewardConfig.power)
     weights_every: int = _help("set weights every N scored rounds", default=1)
-    evidence_gate: bool = _help("pay a miner's improvement only once its evidence of training on its assigned data is "
-                                "significant (docs/validation.md: for models that memorize measurably)",
-                                default=RewardConfig.evidence_gate)
 
     @property
     def rewards(self) -> RewardConfig:
-        return RewardConfig(self.ema_alpha, self.power, evidence_gate=self.evidence_gate)
+        return RewardConfig(self.ema_alpha, self.power)
 
 
 @dataclass(frozen=True)
@@ -236,4 +233,3 @@ def add_validator_args(parser: argparse.ArgumentParser) -> None:
     _add(group, "--validator.ema_alpha", ValidatorSettings, "ema_alpha", type=float)
     _add(group, "--validator.power", ValidatorSettings, "power", type=float)
     _add(group, "--validator.weights_every", ValidatorSettings, "weights_every", type=int)
-    _add(group, "--validator.evidence_gate", ValidatorSettings, "evidence_gate")

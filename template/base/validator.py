@@ -41,6 +41,7 @@ import torch
 
 import template
 from template.allreduce.averager import AveragingResult
+from template.allreduce.reduction import lower_median
 from template.base.audit import audit_allreduce, read_publication
 from template.base.neuron import NeuronContext
 from template.base.telemetry import Telemetry
@@ -130,7 +131,7 @@ class Validator:
                  self.ctx.uid, self.ctx.hotkey, source, len(self.book.miners), now.round)
         self.ctx.emit("ready", uid=self.ctx.uid, hotkey=self.ctx.hotkey, peer_id=str(self.ctx.dht.peer_id),
                       restored=source, chain_round=now.round, scores_restored=len(self.book.miners))
-        target, done, pending = now.round + 1, 0, None
+        target, done, pending, free_average = now.round + 1, 0, None, None
         max_rounds = self.config.neuron.max_rounds
         while not self.stop.is_set() and not (max_rounds and done >= max_rounds):
             now = clock.wait_for_round(target, self.stop, clock.round_timeout_s)
@@ -138,10 +139,12 @@ class Validator:
                 break
             train_until, finish_by = clock.phases(now, self.peer.averaging_config.matchmaking_time)
             if pending is not None:
-                self._score(pending, scoring_deadline=train_until - SCORING_MARGIN_S)
+                self._score(pending, free_average, scoring_deadline=train_until - SCORING_MARGIN_S)
             plan = self.peer.plan(now.round, train_until=train_until, finish_by=finish_by).auxiliary()
             outcome = self.peer.run_round(plan)
             report = outcome.report
+            # Δ̄ of the round just scored is free for every miner of the next one; θ and the rest are let go
+            free_average = (pending.round, pending.averaged) if pending is not None else None
             pending = PendingRound.of(outcome, self.directory)
             self.ctx.emit("synced", uid=self.ctx.uid, round=report.round, theta_hash=report.theta_hash,
                           heldout_loss=report.heldout_loss, allreduce_ok=report.allreduce_ok,
@@ -154,7 +157,10 @@ class Validator:
 
     # ------------------------------------------------------------------------------------------ scoring
 
-    def _score(self, pending: PendingRound, scoring_deadline: float) -> None:
+    def _score(self, pending: PendingRound, free_average: tuple[int, list[torch.Tensor] | None] | None,
+               scoring_deadline: float) -> None:
+        """Score round r (``pending``); ``free_average`` is (r', Δ̄_{r'}) of the round the validator scored before,
+        which every miner held for free in round r when r' = r − 1."""
         started = time.monotonic()
         directory = self.ctx.directory()  # miners registered now, with their PeerIDs
         # Every other neuron with a PeerID: a permit is no sign of a validator (miners that earn emission gain stake
@@ -172,7 +178,7 @@ class Validator:
                 for hotkey, fetched in publications.items() if not isinstance(fetched, str)}
         accused, framed = self._audit(pending, read)
         coverage = self._coverage(pending, framed)
-        share = self._share_of_average(pending)
+        share, tokens = self._share_of_average(pending), self._token_share(pending)
         block = self.ctx.chain.block()
         candidates, binding = [], set()
         for hotkey in chosen:
@@ -186,11 +192,15 @@ class Validator:
                 continue
             candidates.append(Candidate(hotkey, uid, read[hotkey].tensors, fetched.meta.base_theta_hash,
                                         fetched.meta.published_at_block, coverage=coverage.get(hotkey),
-                                        share_of_average=share.get(hotkey, 0.0)))
+                                        share_of_average=share.get(hotkey, 0.0),
+                                        token_share=tokens.get(hotkey, 0.0) if tokens else None))
+        free = free_average[1] if free_average is not None and free_average[0] == pending.round - 1 else None
         context = RoundContext(pending.round, pending.theta, pending.theta_hash, pending.averaged,
-                               first_block=pending.round * self.ctx.clock.blocks_per_round, last_block=block)
+                               first_block=pending.round * self.ctx.clock.blocks_per_round, last_block=block,
+                               previous_average=free, contributors=sum(1 for w in share.values() if w > 0))
         verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline)
-        scores = self.book.credit(pending.round, {v.hotkey: v.round_score() for v in verdicts})
+        scores = {v.hotkey: v.quality for v in verdicts}
+        self.book.update(pending.round, scores, {v.hotkey: v.reason for v in verdicts})
         self.book.forget_except(r.hotkey for r in directory)
         self.book.save(self.book_path)
         self.scorer.save_history(self.history_path)
@@ -269,6 +279,18 @@ class Validator:
         return {record.hotkey: weight / total for peer_id, weight in result.weights.items()
                 if (record := pending.directory.get(peer_id)) is not None}
 
+    def _token_share(self, pending: PendingRound) -> dict[str, float]:
+        """hotkey → the tokens it announced to the group / the lower median of the positive announcements, at most 1
+        (what a full assignment announces while most miners train theirs; one inflated announcement cannot lower the
+        others' share); {} when the validator's all-reduce failed."""
+        result = pending.applied
+        positive = [w for w in result.weights.values() if w > 0] if result is not None else []
+        if not positive:
+            return {}
+        full = lower_median(positive)
+        return {record.hotkey: min(1.0, weight / full) for peer_id, weight in result.weights.items()
+                if (record := pending.directory.get(peer_id)) is not None}
+
     def _group_hotkeys(self, pending: PendingRound) -> list[str]:
         if pending.applied is None:
             return []
@@ -307,14 +329,15 @@ class Validator:
         for v in verdicts:
             record = self.book.miners.get(v.hotkey)
             rows.append(dict(uid=v.uid, hotkey=v.hotkey, score=scores.get(v.hotkey, 0.0), quality=v.quality,
-                             ema=record.ema if record else 0.0, z=record.z if record else 0.0, reason=v.reason,
-                             binding=v.hotkey in binding,
-                             coverage=v.coverage, norm=v.norm,
-                             gain_general=v.gains.general if v.gains else None,
-                             evidence=v.gains.evidence if v.gains else None))
+                             ema=record.ema if record else 0.0, reason=v.reason, binding=v.hotkey in binding,
+                             coverage=v.coverage, share=v.share, norm=v.norm,
+                             gain=v.gains.gain if v.gains else None,
+                             credit=v.gains.credit if v.gains else None,
+                             credit_se=v.gains.credit_se if v.gains else None))
         checked, unchecked = self._audited
         self.ctx.emit("scored", uid=self.ctx.uid, round=round, seconds=seconds, fetch_s=fetch_s, miners=rows,
-                      segments_recomputed=checked, segments_unchecked=unchecked)
+                      free_scale=self.scorer.last_free_scale, segments_recomputed=checked,
+                      segments_unchecked=unchecked)
         self.telemetry.log({f"score/uid{r['uid']}": r["score"] for r in rows}
                            | {f"ema/uid{r['uid']}": r["ema"] for r in rows} | {"scoring_s": seconds}, step=round)
         top = sorted(rows, key=lambda r: -r["ema"])[:5]

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from template.allreduce.codecs import CODEC_NAMES
-from template.base.behaviours import load_behaviour
+from template.base.behaviours import BUILTIN, load_behaviour
 from template.chain.client import ChainClient
 from template.chain.mock_server import RemoteMockSubstrate
 from template.chain.wallets import create_wallet
@@ -163,7 +163,8 @@ def create_neurons(remote: RemoteMockSubstrate, config: LocalnetConfig, wallet_d
         hotkey = wallet.hotkey.ss58_address
         stake = VALIDATOR_STAKE_TAO if role == "validator" else 0.0
         uid = remote.register(NETUID, hotkey, wallet.coldkeypub.ss58_address, stake)
-        neurons.append(NeuronInfo(name=name, role=role, uid=uid, hotkey=hotkey, behaviour=behaviour))
+        honest = load_behaviour(behaviour).honest if role == "miner" else None
+        neurons.append(NeuronInfo(name=name, role=role, uid=uid, hotkey=hotkey, behaviour=behaviour, honest=honest))
     return neurons
 
 
@@ -382,8 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="rounds every miner must finish (>= 2)")
     parser.add_argument("--out", default=None, help="run directory, new or empty (default runs/localnet-TIME)")
     parser.add_argument("--miner-behaviours", default="",
-                        help="comma-separated, one per miner: honest, copycat, freerider, noise, scaled, stale, "
-                             "overfitter or module:Class (default: all honest)")
+                        help="comma-separated, one per miner: " + ", ".join(sorted(BUILTIN))
+                             + " or module:Class, a MinerBehaviour subclass (default: all honest; what each does: "
+                               "template/base/behaviours.py)")
     parser.add_argument("--model", default=defaults.model, choices=sorted(MODEL_PRESETS), help="model preset")
     parser.add_argument("--data", default=defaults.data,
                         help="'builtin' (generated, no download), 'stdlib' (Python's own English docs) or files")

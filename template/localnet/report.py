@@ -46,6 +46,11 @@ class NeuronInfo:
     uid: int
     hotkey: str
     behaviour: str | None = None  # miners only: "honest", "copycat", module:Class, ...
+    honest: bool | None = None  # does honest work (MinerBehaviour.honest); None: only the behaviour "honest" does
+
+    @property
+    def does_honest_work(self) -> bool:
+        return self.role == "miner" and (self.behaviour == HONEST if self.honest is None else self.honest)
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ def round_rows(neurons: list[NeuronInfo], events: dict[str, list[dict]], last_ro
     """
     by_round: dict[int, list[dict]] = {}
     for neuron in neurons:
-        if neuron.role != "miner" or neuron.behaviour != HONEST:
+        if not neuron.does_honest_work:
             continue
         for event in events.get(neuron.name, []):
             if event["event"] == "round" and (last_round is None or event["round"] <= last_round):

@@ -8,14 +8,17 @@ Order of the checks (each failing miner gets a round score of 0 and the first re
 4. a plausible norm relative to the round (:func:`~template.validation.integrity.check_norm`);
 5. not a replay of an earlier round's Δ or Δ̄, and not the round's own Δ̄ re-published (when the miner did not
    contribute most of Δ̄ itself);
-6. the loss measures (:mod:`~template.validation.scoring`): the general improvement and the evidence of training on
-   the assigned data, against the round's Δ̄ as the reference update (θ_r itself when the validator holds no Δ̄);
-   then copies between miners of this round (a paired test on a larger sample says which of two near-copies was
-   trained on its own data; the earlier signature decides when it cannot);
-7. quality = general improvement × coverage, the fraction of the round's averaged segments that include the
-   miner's contribution (as the validator saw the all-reduce): a Δ that did not reach the shared model earned nothing
-   for it, whatever it would have been worth. The evidence goes with the quality to the score book
-   (:mod:`~template.validation.rewards`), which turns both into the round's credit.
+6. the loss measure (:mod:`~template.validation.scoring`): every miner's credit beyond the best free update, all
+   on the same windows, at the update's share of the step; then copies between miners of this round (a paired test
+   on a sample of each one's assigned windows says which of two near-copies was trained on its own data; the earlier
+   signature decides when it cannot);
+7. quality = max(0, credit) × coverage × share: coverage is the fraction of the round's averaged segments that
+   include the miner's contribution (as the validator saw the all-reduce) — a Δ that did not reach the shared model
+   earned nothing for it, whatever it would have been worth; share is the tokens it announced to the group relative
+   to the lower median of the group's announcements (a full assignment when most miners train theirs; at most 1),
+   so a miner that trained a fraction f of its steps, and said so, is paid for the fraction of the step its update
+   took in the average. The score book (:mod:`~template.validation.rewards`) turns
+   qualities into weights.
 
 The scorer keeps the sketches of the last ``history_rounds`` rounds for replay detection, and can persist them
 (safetensors, atomic) so a restarted validator still recognizes replays.
@@ -44,23 +47,25 @@ from template.validation.integrity import (
     reference_norm,
     total_norm,
 )
-from template.validation.rewards import RoundScore
 from template.validation.scoring import (
-    LossGains,
+    FreeUpdate,
     LossProbe,
     ScoringConfig,
+    UpdateGains,
     WindowSampler,
-    loss_gains,
+    free_update,
     mean_update,
     paired_edge_z,
+    update_gains,
     update_losses,
 )
 
 Tensors = Sequence[torch.Tensor]
 # A miner's own share of Δ̄ above which Δ̄ is mostly its own Δ (then similarity to Δ̄ proves nothing).
 OWN_SHARE_OF_AVERAGE = 0.5
-# Near-copies are told apart on this many times a round's evidence sample (per miner of the pair).
-COPY_SAMPLE_FACTOR = 4
+# Near-copies are told apart on this many times a round's scoring sample (per miner of the pair), in full step.
+COPY_SAMPLE_FACTOR = 2
+COPY_STEP = 1.0
 
 
 @dataclass(frozen=True)
@@ -76,28 +81,26 @@ class Candidate:
     refused: str = ""  # non-empty when what was fetched convicts the miner (not its contribution, or the audit)
     coverage: float | None = None  # share of the round's averaged segments that include it; None when unknown
     share_of_average: float = 0.0  # its token weight / the group's total weight
+    token_share: float | None = None  # its tokens / the lower median of the group's, at most 1; None when unknown
 
 
 @dataclass(frozen=True)
 class Verdict:
     hotkey: str
     uid: int
-    quality: float  # ≥ 0: the general improvement × coverage, 0 on a failed check
+    quality: float  # ≥ 0: max(0, credit) × coverage × share, 0 on a failed check
     reason: str  # "" when every check passed
-    gains: LossGains | None = None
+    gains: UpdateGains | None = None
     norm: float = 0.0
     coverage: float | None = None
-
-    def round_score(self) -> RoundScore:
-        """What the score book needs: the quality, and the evidence when every check passed (else none)."""
-        if self.reason or self.gains is None:
-            return RoundScore(0.0, None, self.reason)
-        return RoundScore(self.quality, (self.gains.evidence, self.gains.evidence_se), self.reason)
+    share: float | None = None  # its tokens relative to a full assignment's, at most 1 (None: unknown)
 
 
 @dataclass(frozen=True)
 class RoundContext:
-    """What the validator knows of round r: θ_r, its hash, Δ̄ (None if its all-reduce failed), the block window."""
+    """What the validator knows of round r: θ_r, its hash, Δ̄_r (None if its all-reduce failed), the block window,
+    and Δ̄_{r−1}, the freshest average every miner held for free when round r began (None when the validator did
+    not apply it)."""
 
     round: int
     theta: list[torch.Tensor]
@@ -105,6 +108,12 @@ class RoundContext:
     averaged: list[torch.Tensor] | None
     first_block: int  # a publication of round r cannot be signed before the round began
     last_block: int  # ... or after the validator fetched it
+    previous_average: list[torch.Tensor] | None = None
+    contributors: int = 0  # N: members of the round's all-reduce with a positive weight (0: unknown)
+
+    def step(self, candidates: Sequence[Candidate], scale: float) -> float:
+        """η: ``scale`` × an equal share of the round's step (1/N; N = the probed candidates when unknown)."""
+        return scale / max(1, self.contributors or len(candidates))
 
 
 class RoundScorer:
@@ -118,6 +127,7 @@ class RoundScorer:
         self.sketch = Sketch(self.shapes, integrity.sketch_size, sketch_seed)
         self.history_rounds = history_rounds
         self.history: dict[str, torch.Tensor] = {}  # "round|label" -> sketch
+        self.last_free_scale: float | None = None  # c of the last scored round's best free update (None: none)
 
     def score(self, context: RoundContext, candidates: Sequence[Candidate],
               out_of_time: Callable[[], bool] = lambda: False) -> list[Verdict]:
@@ -145,7 +155,8 @@ class RoundScorer:
                 reasons[c.hotkey] = "re-publishes the group's average Δ̄"
 
         probed = [c for c in valid if c.hotkey not in reasons]
-        gains, helpful = self._probe(context, probed, reasons, out_of_time)
+        gains, helpful, free = self._probe(context, probed, reasons, out_of_time)
+        self.last_free_scale = free.scale if free else None
         submissions = [Submission(c.hotkey, sketches[c.hotkey], c.published_at_block, c.share_of_average > 0)
                        for c in probed if c.hotkey in gains]
         by_hotkey = {c.hotkey: c for c in probed}
@@ -166,9 +177,10 @@ class RoundScorer:
             g = gains.get(c.hotkey)
             quality = 0.0
             if c.hotkey not in reasons and g is not None:
-                quality = max(0.0, g.general) * (1.0 if c.coverage is None else c.coverage)
+                share = 1.0 if c.token_share is None else c.token_share
+                quality = max(0.0, g.credit) * (1.0 if c.coverage is None else c.coverage) * share
             verdicts.append(Verdict(c.hotkey, c.uid, quality, reasons.get(c.hotkey, ""), g,
-                                    norms.get(c.hotkey, 0.0), c.coverage))
+                                    norms.get(c.hotkey, 0.0), c.coverage, c.token_share))
         return verdicts
 
     def _basic_problem(self, context: RoundContext, c: Candidate) -> str | None:
@@ -185,30 +197,28 @@ class RoundScorer:
         return check_tensors(c.tensors, self.shapes)
 
     def _probe(self, context: RoundContext, candidates: Sequence[Candidate], reasons: dict[str, str],
-               out_of_time: Callable[[], bool]) -> tuple[dict[str, LossGains], list[str]]:
-        """The loss measures of every candidate (:mod:`~template.validation.scoring`), against Δ̄ as the reference
-        update when the validator holds it (θ_r itself when not), and the hotkeys of the helpful ones (general > 0).
-        θ_r and the reference are loaded once each, on every window any candidate needs, then each candidate's Δ
-        once: 2 + N model loads, 2 × ``eval_windows`` windows per miner (a load of a large model costs seconds)."""
+               out_of_time: Callable[[], bool]) -> tuple[dict[str, UpdateGains], list[str], FreeUpdate | None]:
+        """The credit of every candidate (:mod:`~template.validation.scoring`), all on the same scoring windows, and
+        the hotkeys of the helpful ones (gain > 0). The free updates are loaded once each, then each candidate's Δ
+        once: up to 2 + len(free_scales) + N model loads (a load of a large model costs seconds)."""
         if not candidates:
-            return {}, []
-        n, eta = self.scoring.eval_windows, self.scoring.step_scale
-        pool = self.sampler.unassigned(context.round, n)
-        samples = {c.hotkey: self.sampler.assigned(c.hotkey, context.round, n) for c in candidates}
-        every = [*pool, *sorted({w for sample, _ in samples.values() for w in sample})]
-        baseline = update_losses(self.probe, context.theta, None, every, eta)
-        reference = baseline if context.averaged is None else \
-            update_losses(self.probe, context.theta, context.averaged, every, eta)
+            return {}, [], None
+        config = self.scoring
+        assigned: set[int] = set()
+        for c in candidates:
+            assigned |= self.sampler.assigned(c.hotkey, context.round, 0)[1]
+        drawn = self.sampler.unassigned(context.round, config.eval_windows + config.pick_windows, assigned)
+        scoring, pick = drawn[:config.eval_windows], drawn[config.eval_windows:]
+        step = context.step(candidates, config.step_scale)
+        free = free_update(self.probe, context.theta, context.previous_average, pick, scoring, step, config)
         gains = {}
         for c in candidates:
             if out_of_time():
                 reasons[c.hotkey] = "not evaluated in time"
                 continue
-            assigned, excluded = samples[c.hotkey]
-            unassigned = [w for w in pool if w not in excluded][:n]
-            after = update_losses(self.probe, context.theta, c.tensors, [*assigned, *unassigned], eta)
-            gains[c.hotkey] = loss_gains(after, reference, baseline, assigned, unassigned, self.scoring)
-        return gains, [hotkey for hotkey, g in gains.items() if g.general > 0]
+            gains[c.hotkey] = update_gains(update_losses(self.probe, context.theta, c.tensors, scoring, step),
+                                           free, scoring)
+        return gains, [hotkey for hotkey, g in gains.items() if g.gain > 0], free
 
     def _paired_z(self, context: RoundContext, update: Tensors, others: Sequence[Tensors], a: str, b: str) -> float:
         """Which of two near-identical submissions was trained, and which copied: ``update`` (either of them — they
@@ -216,9 +226,9 @@ class RoundScorer:
         ``COPY_SAMPLE_FACTOR`` × ``eval_windows`` of a's assigned windows and as many of b's. The update was trained
         on one of the two assignments, so its edge is larger there: the result is the significance of
         (mean edge on a's windows − mean edge on b's), positive when a is the original. Paired on one model and one
-        reference, and on a larger sample than a round's evidence, it tells them apart where the two miners'
-        separate evidence (each ± its own noise) often cannot; it costs two model loads per pair found."""
-        count, eta = COPY_SAMPLE_FACTOR * self.scoring.eval_windows, self.scoring.step_scale
+        reference, it tells them apart where two separate measurements (each ± its own noise) often cannot; it
+        costs two model loads per pair found, at the full step (a model trained on its windows fits them)."""
+        count, eta = COPY_SAMPLE_FACTOR * self.scoring.eval_windows, COPY_STEP
         windows_a = self.sampler.assigned(a, context.round, count, salt="copy")[0]
         windows_b = self.sampler.assigned(b, context.round, count, salt="copy")[0]
         every = [*windows_a, *windows_b]

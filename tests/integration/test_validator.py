@@ -42,7 +42,7 @@ CHEATERS = {
     "scaled": "scaled", "overfitter": "overfitter", "twofaced": "twofaced",
 }
 # Warm-up over one round (20 steps) instead of the default 50: the judging window is 5 rounds, and while the learning
-# rate is still ramping up a tiny model memorizes nothing, so the first rounds would carry no evidence for anyone.
+# rate is still ramping up a tiny model memorizes nothing, so the copy test could not tell an original from its copy.
 RUN = ("--run.data", DATA, "--run.inner_steps", "20", "--run.warmup_steps", "20", "--averaging.matchmaking_time", "4")
 
 
@@ -150,8 +150,9 @@ def test_a_restarted_validator_keeps_its_scores(network):
     # the first round scored after the restart continued from the saved averages, not from zero
     after_restart = network["scored_after_restart"][0]
     assert after_restart["round"] > before.last_round
+    keep = 1 - RewardConfig().ema_alpha
     for row in after_restart["miners"]:
         saved = before.miners[row["hotkey"]]
-        assert row["ema"] >= 0.5 * saved.ema - 1e-9, (row, saved)  # at worst one zero round: (1 - α) × saved
+        assert row["ema"] >= keep * saved.ema - 1e-9, (row, saved)  # at worst one zero round: (1 - α) × saved
         if row["score"] > 0:
-            assert row["ema"] > 0.5 * saved.ema, (row, saved)
+            assert row["ema"] > keep * saved.ema, (row, saved)

@@ -20,6 +20,7 @@ from template.base.behaviours import (
     Overfitter,
     Partial,
     Scaled,
+    SkipsOne,
     SplitLiarReducer,
     Stale,
     StaleAverage,
@@ -133,6 +134,13 @@ def test_partial_runs_its_fraction_of_the_inner_steps_and_refuses_nonsense():
         NoisyAverage(rel=-0.1)
 
 
+def test_skips_one_trains_nothing_in_its_third_round_and_is_honest_otherwise():
+    behaviour = SkipsOne()
+    plans = [behaviour.plan(plain_plan(round=r)) for r in range(5)]
+    assert [p.max_steps for p in plans] == [5, 5, 0, 5, 5] and all(p.contributes for p in plans)
+    assert plans[3] == plain_plan(round=3)
+
+
 def test_two_faced_miners_publish_their_delta_and_contribute_something_else():
     delta = deltas(0)
     for behaviour, factor in ((TwoFaced(), -1.0), (TwoFacedZero(), 1e-6)):
@@ -156,7 +164,10 @@ class Custom(MinerBehaviour):
 def test_behaviours_load_by_name_or_module_class_and_refuse_anything_else():
     assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "overfitter", "copycat", "noisy-average",
                             "stale-average", "partial", "twofaced", "twofaced-zero", "equivocator", "liar-reducer",
-                            "liar-reducer-some", "framer"}
+                            "liar-reducer-some", "framer", "skips-one"}
+    # the behaviours that do honest work say so (the local network's report judges the model by them)
+    assert {name for name, cls in BUILTIN.items() if cls.honest} == {"honest", "skips-one"}
+    assert load_behaviour(f"{__name__}:Custom").honest is False  # a plug-in is honest when it says so
     assert isinstance(load_behaviour("copycat"), Copycat)
     assert load_behaviour("noisy-average", rel=0.3).rel == 0.3 and load_behaviour("stale-average").rel == 0.15
     assert load_behaviour("partial", fraction=0.1, rel=0.3).fraction == 0.1

@@ -16,8 +16,8 @@ from template.base.dashboard_state import DashboardState, json_safe
 
 
 def scored_row(uid: int, score: float, **extra) -> dict:
-    return dict(uid=uid, hotkey=f"5hot{uid}", score=score, quality=score, ema=score / 2, z=0.1, reason="",
-                participated=True, norm=1.5, gain_general=0.01, evidence=0.02, **extra)
+    return dict(uid=uid, hotkey=f"5hot{uid}", score=score, quality=score, ema=score / 2, reason="", coverage=1.0,
+                share=1.0, norm=1.5, gain=0.03, credit=0.01, credit_se=0.002, **extra)
 
 
 def validator_with_two_rounds() -> DashboardState:
@@ -43,7 +43,7 @@ def test_validator_table_has_one_row_per_uid_with_its_last_score_weight_and_when
     assert rows[2]["score"] == 0.0 and rows[2]["round"] == 4 and rows[2]["last_seen"] == 120.0
     assert rows[2]["reason_detail"] == "x"  # keys the validator adds later are kept as they come
     assert rows[1]["weight"] == 1.0 and rows[2]["weight"] == 0.0  # a uid missing from the weight row has weight 0
-    for key in ("hotkey", "quality", "ema", "z", "participated", "norm", "gain_general", "evidence"):
+    for key in ("hotkey", "quality", "ema", "coverage", "share", "norm", "gain", "credit"):
         assert key in rows[1]
 
 

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from template.base.behaviours import BUILTIN
 from template.base.config import NeuronConfig
 from template.localnet.network import (
     NETUID,
     RUN_MARKER_ENV,
     LocalnetConfig,
+    build_parser,
     child_env,
     config_from_args,
     neuron_command,
@@ -166,3 +168,9 @@ def test_the_miner_takes_behaviour_options_and_refuses_bad_ones(tmp_path, capsys
         miner.main(["--netuid", "3", "--miner.behaviour", "partial", "--miner.fraction", "1.5",
                     "--neuron.full_path", str(tmp_path)])
     assert exit_info.value.code == 2 and "fraction of inner steps must be within (0, 1]" in capsys.readouterr().err
+
+
+def test_help_lists_every_built_in_behaviour():
+    text = " ".join(build_parser().format_help().split())  # argparse wraps names at their hyphens
+    for name in BUILTIN:
+        assert name in text.replace("- ", "-"), name

@@ -77,6 +77,16 @@ def test_a_healthy_run_passes_with_rounds_aggregated_over_honest_miners():
     assert [w["ok"] for w in report["weights_set"]] == [False, True]
 
 
+def test_a_plug_in_that_does_honest_work_counts_as_an_honest_miner():
+    plug_in = NeuronInfo("miner2", "miner", 2, "5Mi2", "my.module:CarefulHonest", honest=True)
+    report = build_report([NEURONS[0], NEURONS[1], plug_in, NEURONS[3]], healthy_events(), healthy_chain(),
+                          last_round=7)
+    assert report["rounds"][0]["miners"] == 2 and report["checks"]["models_identical"]
+    labelled_honest = NeuronInfo("miner3", "miner", 3, "5Mi3", "honest", honest=False)  # what the behaviour says wins
+    report = build_report([*NEURONS[:3], labelled_honest], healthy_events(), healthy_chain(), last_round=7)
+    assert report["rounds"][0]["miners"] == 2
+
+
 def test_neuron_rows_take_scores_from_the_last_scored_event_and_the_rest_from_the_chain():
     rows = {row["uid"]: row for row in build_report(NEURONS, healthy_events(), healthy_chain())["neurons"]}
     assert [rows[uid]["role"] for uid in range(4)] == ["validator", "miner", "miner", "miner"]
