@@ -11,9 +11,11 @@ weights; then the validator's last weights and its per-round ``scored`` rows are
 - ``partial``: 2 honest miners, ``skips-one`` (sits out its 3rd round), ``partial`` at f = 0.1 and at f = 0.5; 11
   rounds (10 scored). Goals: skips-one ≥ 0.8 of the honest mean; partial weight / honest mean ≤ f + 0.05, > 0 at
   f = 0.5.
-- ``copiers``: 2 honest miners, ``noisy-average`` at rel 0.15, 0.3 and 0.6, ``stale-average``, ``copycat`` and
-  ``freerider``; 6 rounds. Goals: each copier ≤ 1 % of the weight, and its credit in a round ≤ 10 % of the best
-  honest credit of that round in ≥ 90 % of its scored rounds.
+- ``copiers-a``, ``copiers-b``, ``copiers-c``: 3 honest miners and two copiers each — ``noisy-average`` at rel 0.15
+  and 0.3; ``noisy-average`` at 0.6 and ``stale-average``; ``copycat`` and ``freerider`` — 6 rounds. Goals: each
+  copier ≤ 1 % of the weight, and its credit in a round ≤ 10 % of the best honest credit of that round in ≥ 90 % of
+  its paid rounds. (Honest miners are the majority: with six copiers beside two honest miners the copiers' smaller
+  norms set the round's reference norm and the honest updates were refused as "over 3x" — docs/validation.md.)
 
 Networks differ by their fresh wallets (hotkeys, hence data assignments and validator samples) and timing. The
 baseline in the same run is the honest miners themselves: every number is a ratio to them.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -34,9 +37,7 @@ from benchmarks.common import REPO_ROOT, benchmark_parser, emit, log, machine_in
 from template.base.behaviours import NoisyAverage, Partial
 from template.localnet import LocalnetConfig
 from template.localnet.network import ChildDied, Localnet
-from template.localnet.report import read_events
-
-HONEST = "honest"
+from template.localnet.report import HONEST, read_events
 
 
 class Partial10(Partial):
@@ -87,8 +88,9 @@ class Scenario:
 SCENARIOS = {
     "honest": Scenario("honest", (HONEST,) * 3, 6),
     "partial": Scenario("partial", (HONEST, HONEST, "skips-one", PLUGIN + "Partial10", PLUGIN + "Partial50"), 11),
-    "copiers": Scenario("copiers", (HONEST, HONEST, PLUGIN + "NoisyAverage15", PLUGIN + "NoisyAverage30",
-                                    PLUGIN + "NoisyAverage60", "stale-average", "copycat", "freerider"), 6),
+    "copiers-a": Scenario("copiers-a", (HONEST,) * 3 + (PLUGIN + "NoisyAverage15", PLUGIN + "NoisyAverage30"), 6),
+    "copiers-b": Scenario("copiers-b", (HONEST,) * 3 + (PLUGIN + "NoisyAverage60", "stale-average"), 6),
+    "copiers-c": Scenario("copiers-c", (HONEST,) * 3 + ("copycat", "freerider"), 6),
 }
 
 
@@ -99,6 +101,8 @@ def run_network(scenario: Scenario, out: Path, data: str, rounds: int) -> dict[s
     os.environ["BTCLI_TOKEN_SYMBOLS_CACHE"] = str(out / "token_symbols.json")  # as the local network's own CLI
     os.environ["PYTHONPATH"] = str(REPO_ROOT)  # the miners load this module's behaviours (module:Class)
     network = Localnet(config)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # stop the network's processes, as its own CLI does
+        signal.signal(signum, lambda *_: network.interrupt.set())
     started = time.monotonic()
     try:
         report = network.run()
@@ -110,7 +114,8 @@ def run_network(scenario: Scenario, out: Path, data: str, rounds: int) -> dict[s
     behaviour = {row["name"]: row["behaviour"] for row in report["neurons"] if row["role"] == "miner"}
     validator_events = read_events(out / "validator.events")
     weights = next((e["weights"] for e in reversed(validator_events) if e["event"] == "weights" and e["ok"]), {})
-    rounds_scored = [dict(round=e["round"], credit={names[row["uid"]]: row.get("credit") for row in e["miners"]},
+    rounds_scored = [dict(round=e["round"], paid=e["paid"],
+                          credit={names[row["uid"]]: row["credit"] for row in e["miners"]},
                           quality={names[row["uid"]]: row["quality"] for row in e["miners"]},
                           reason={names[row["uid"]]: row["reason"] for row in e["miners"]})
                      for e in validator_events if e["event"] == "scored"]
@@ -132,14 +137,14 @@ def judge(network: dict[str, Any]) -> dict[str, Any]:
     for name, b in behaviour.items():
         if b == HONEST:
             continue
-        rounds = [r for r in network["scored"] if name in r["quality"]]
+        rounds = [r for r in network["scored"] if name in r["quality"] and r["paid"]]
         low = 0
         for r in rounds:
             best = max((r["credit"].get(h) or 0.0) for h in honest)
             low += (r["credit"].get(name) or 0.0) <= 0.1 * best or r["quality"][name] == 0.0
         others[b.rsplit(":", 1)[-1]] = dict(
             weight=weights.get(name, 0.0), of_honest_mean=weights.get(name, 0.0) / mean_honest if mean_honest else None,
-            rounds_scored=len(rounds), rounds_at_most_10_percent=low,
+            rounds_paid=len(rounds), rounds_at_most_10_percent=low,
             reasons=sorted({r["reason"][name] for r in rounds if r["reason"][name]}))
     result["others"] = others
     return result
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser("fairness", __doc__, "one honest network of 3 rounds, nothing else")
     parser.set_defaults(data="stdlib")
     parser.add_argument("--networks", type=int, default=10, help="all-honest networks (default 10)")
-    parser.add_argument("--scenarios", default="honest,partial,copiers",
+    parser.add_argument("--scenarios", default="partial,copiers-a,copiers-b,copiers-c,honest",
                         help="comma-separated: " + ", ".join(SCENARIOS))
     parser.add_argument("--out", default=None, help="keep every network's directory here (default: a temporary one)")
     args = parse_benchmark_args(parser, argv)
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(s, i) for s in chosen for i in range(args.networks if s.name == "honest" else 1)]
     if args.quick:
         plan = [(SCENARIOS["honest"], 0)]
-    results = []
+    results, started = [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fairness-") as scratch:
         base = Path(args.out) if args.out else Path(scratch)
         for scenario, index in plan:
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(network)
     honest_ratios = [n["judged"]["honest_max_over_min"] if "judged" in n else None
                      for n in results if n["scenario"] == "honest"]
-    emit(dict(benchmark="fairness", machine=machine_info(), data=args.data, networks=results,
+    emit(dict(benchmark="fairness", quick=args.quick, seconds=round(time.monotonic() - started, 1),
+              machine=machine_info(), data=args.data, networks=results,
               honest_within_1_25=sum(1 for r in honest_ratios if r is not None and r <= 1.25),
               honest_networks=len(honest_ratios)))
     return 0

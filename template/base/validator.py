@@ -5,10 +5,12 @@ Each chain round r (blocks [r·B, (r+1)·B)):
 1. score round r−1: fetch the miners' signed publications of r−1 over the permit-only RPC; check that each is exactly
    the contribution its miner committed to the all-reduce, and audit the all-reduce itself against them
    (:mod:`template.base.audit`: refusals without proof, conflicting certificates, every averaged segment recomputed);
-   hand the verified contributions with θ_{r−1}, Δ̄_{r−1} and each miner's coverage in that all-reduce to the
-   :class:`~template.validation.round.RoundScorer` (integrity, copies, replays, loss measures); a miner convicted by
-   the audit or whose publication is not its contribution scores 0 with the reason; fold the round into the
-   :class:`~template.validation.rewards.ScoreBook` and save it;
+   hand the verified contributions with θ_{r−1}, Δ̄_{r−1}, Δ̄_{r−2} (free for every miner of round r−1) and each
+   miner's coverage and token share in that all-reduce to the :class:`~template.validation.round.RoundScorer`
+   (integrity, copies, replays, the credit beyond the best free update); a miner convicted by the audit or whose
+   publication is not its contribution scores 0 with the reason; fold the round into the
+   :class:`~template.validation.rewards.ScoreBook` and save it (a round scored without Δ̄_{r−2} — the first after a
+   start, or after the validator's own all-reduce failed — is reported but paid to nobody);
 2. set weights from the book (``SetWeights`` with ``template.spec_version`` as the version key) every
    ``--validator.weights_every`` rounds;
 3. join round r's all-reduce as an auxiliary peer (no contribution) and apply the outer step, so the validator holds
@@ -199,13 +201,21 @@ class Validator:
                                first_block=pending.round * self.ctx.clock.blocks_per_round, last_block=block,
                                previous_average=free, contributors=sum(1 for w in share.values() if w > 0))
         verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline)
-        scores = {v.hotkey: v.quality for v in verdicts}
-        self.book.update(pending.round, scores, {v.hotkey: v.reason for v in verdicts})
+        # Without Δ̄_{r−1} the validator cannot tell what a miner re-published for free from what it trained: such a
+        # round (its first after a start, or after its own all-reduce failed) is judged — copies, convictions — and
+        # reported, but paid to nobody: a round without credit for everyone alike.
+        paid = free is not None
+        scores = {v.hotkey: v.quality if paid else 0.0 for v in verdicts}
+        if paid:
+            self.book.update(pending.round, scores, {v.hotkey: v.reason for v in verdicts})
+        else:
+            log.info("round %d is not paid: the validator does not hold Δ̄ of round %d, which every miner had for free",
+                     pending.round, pending.round - 1)
         self.book.forget_except(r.hotkey for r in directory)
         self.book.save(self.book_path)
         self.scorer.save_history(self.history_path)
         self.rounds_scored += 1
-        self._report_scores(pending.round, verdicts, scores, binding, time.monotonic() - started, fetch_s)
+        self._report_scores(pending.round, verdicts, scores, binding, paid, time.monotonic() - started, fetch_s)
         if self.rounds_scored % max(1, self.settings.weights_every) == 0:
             self._set_weights(pending.round, directory)
 
@@ -322,7 +332,7 @@ class Validator:
     # ------------------------------------------------------------------------------------------ reporting
 
     def _report_scores(self, round: int, verdicts: list[Verdict], scores: dict[str, float], binding: set[str],
-                       seconds: float, fetch_s: float) -> None:
+                       paid: bool, seconds: float, fetch_s: float) -> None:
         """One ``scored`` event, wandb scalars and a log line per miner; ``binding`` are the miners whose reason
         rests on their own signatures (publication ≠ contribution, convicted by the all-reduce)."""
         rows = []
@@ -336,7 +346,7 @@ class Validator:
                              credit_se=v.gains.credit_se if v.gains else None))
         checked, unchecked = self._audited
         self.ctx.emit("scored", uid=self.ctx.uid, round=round, seconds=seconds, fetch_s=fetch_s, miners=rows,
-                      free_scale=self.scorer.last_free_scale, segments_recomputed=checked,
+                      paid=paid, free_scale=self.scorer.last_free_scale, segments_recomputed=checked,
                       segments_unchecked=unchecked)
         self.telemetry.log({f"score/uid{r['uid']}": r["score"] for r in rows}
                            | {f"ema/uid{r['uid']}": r["ema"] for r in rows} | {"scoring_s": seconds}, step=round)

@@ -12,8 +12,9 @@ recomputes an averaged segment only when it holds the publication of every sende
 miner's publication is refused, so in one group with it a liar-reducer's segments cannot be checked (measured: the
 liar then took 96 % of the weight; docs/validation.md, known limits).
 
-Judged after 5 scored rounds: the honest miners hold ≥ 95 % of the weight together and none has less than half the
-honest average; every attacker gets ≤ 1 %; the validator convicts each attacker with a reason resting on what the
+Judged after 6 scored rounds (5 paid: the validator's first is not, as it does not hold the previous average yet):
+the honest miners hold ≥ 95 % of the weight together and none has less than half the honest average; every attacker
+gets ≤ 1 %; the validator convicts each attacker with a reason resting on what the
 attacker signed, and never an honest miner (counted over every honest scored row); every honest miner ends every
 round on the same θ.
 """
@@ -27,7 +28,7 @@ from tests.integration.neuron_processes import events
 
 RUN = ("--run.data", "stdlib", "--run.inner_steps", "20", "--run.warmup_steps", "20",
        "--averaging.matchmaking_time", "4")
-SETTINGS = NetworkSettings(netuid=5, seconds_per_block=0.5, blocks_per_round=40, tempo=20, judged_rounds=5,
+SETTINGS = NetworkSettings(netuid=5, seconds_per_block=0.5, blocks_per_round=40, tempo=20, judged_rounds=6,
                            run_args=RUN)
 HONEST = {"honest-a": ("--miner.behaviour", "honest"), "honest-b": ("--miner.behaviour", "honest")}
 ATTACKERS = {

@@ -9,8 +9,9 @@ protocol run in tests/integration/test_accountable_averaging.py.
 The exact copy and the copy of the group's Δ̄ are caught by the same checks; tests/unit/test_validation.py covers
 them without the cost of more processes.
 The data is real English prose that every Python carries (the ``stdlib`` source: pydoc topics and docstrings).
-After at most 5 rounds the validator's weights on chain must give the
-honest miners ≥ 95 % together, every cheater ≤ 1 %, and no honest miner less than half the honest average. Its
+After 6 scored rounds (the first is not paid: the validator does not yet hold the average every miner had for free)
+the validator's weights on chain must give the honest miners ≥ 95 % together, every cheater ≤ 1 %, and no honest
+miner less than half the honest average. Its
 weights must show in the metagraph and, after an epoch, as incentive of the honest miners. Then the validator is
 SIGKILLed mid-round and restarted: it must come back with its scores and set weights again.
 """
@@ -33,7 +34,7 @@ NETUID = 3
 SECONDS_PER_BLOCK = 0.5
 BLOCKS_PER_ROUND = 40
 TEMPO = 20
-NETWORK_ROUNDS = 5  # judged once the validator has scored 5 consecutive chain rounds' worth (restart included)
+NETWORK_ROUNDS = 6  # judged once the validator has scored 6 consecutive chain rounds' worth (5 paid)
 DATA = "stdlib"  # real English prose from the standard library: the memorization signal needs natural text
 COPY = "tests.integration.copy_behaviours:"
 HONEST = {"honest-a": COPY + "LeakyHonest", "honest-b": "honest"}
