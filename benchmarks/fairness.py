@@ -34,45 +34,26 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO_ROOT, benchmark_parser, emit, log, machine_info, parse_benchmark_args
-from template.base.behaviours import NoisyAverage, Partial
+from template.base.behaviours import MinerBehaviour, NoisyAverage, Partial
 from template.localnet import LocalnetConfig
 from template.localnet.network import ChildDied, Localnet
 from template.localnet.report import HONEST, read_events
 
 
-class Partial10(Partial):
-    name = "partial-0.1"
+def with_option(base: type[MinerBehaviour], class_name: str, name: str, **options: float) -> type[MinerBehaviour]:
+    """A plug-in subclass of ``base`` with its option fixed: the local network gives a miner a behaviour by
+    ``module:Class`` and no options."""
+    def __init__(self: MinerBehaviour) -> None:
+        base.__init__(self, **options)
 
-    def __init__(self) -> None:
-        super().__init__(fraction=0.1)
-
-
-class Partial50(Partial):
-    name = "partial-0.5"
-
-    def __init__(self) -> None:
-        super().__init__(fraction=0.5)
+    return type(class_name, (base,), {"name": name, "__init__": __init__, "__module__": __name__})
 
 
-class NoisyAverage15(NoisyAverage):
-    name = "noisy-average-0.15"
-
-    def __init__(self) -> None:
-        super().__init__(rel=0.15)
-
-
-class NoisyAverage30(NoisyAverage):
-    name = "noisy-average-0.3"
-
-    def __init__(self) -> None:
-        super().__init__(rel=0.3)
-
-
-class NoisyAverage60(NoisyAverage):
-    name = "noisy-average-0.6"
-
-    def __init__(self) -> None:
-        super().__init__(rel=0.6)
+Partial10 = with_option(Partial, "Partial10", "partial-0.1", fraction=0.1)
+Partial50 = with_option(Partial, "Partial50", "partial-0.5", fraction=0.5)
+NoisyAverage15 = with_option(NoisyAverage, "NoisyAverage15", "noisy-average-0.15", rel=0.15)
+NoisyAverage30 = with_option(NoisyAverage, "NoisyAverage30", "noisy-average-0.3", rel=0.3)
+NoisyAverage60 = with_option(NoisyAverage, "NoisyAverage60", "noisy-average-0.6", rel=0.6)
 
 
 PLUGIN = "benchmarks.fairness:"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.fairness import judge
+from template.base.behaviours import load_behaviour
 
 
 def scored(round: int, paid: bool, credit: dict[str, float], reason: dict[str, str] | None = None) -> dict:
@@ -30,3 +31,9 @@ def test_judge_compares_honest_miners_and_counts_the_rounds_a_copier_earned_litt
     assert copier["rounds_paid"] == 3 and copier["rounds_at_most_10_percent"] == 2  # 0.05 > 10 % of 0.2
     assert copier["of_honest_mean"] == pytest.approx(0.01 / 0.495)
     assert copier["reasons"] == ["copy of miner1's Δ"]
+
+
+def test_the_benchmarks_plug_in_behaviours_load_with_their_option_fixed():
+    assert load_behaviour("benchmarks.fairness:Partial10").fraction == 0.1
+    assert load_behaviour("benchmarks.fairness:NoisyAverage60").rel == 0.6
+    assert load_behaviour("benchmarks.fairness:NoisyAverage15").name == "noisy-average-0.15"
