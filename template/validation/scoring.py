@@ -45,9 +45,9 @@ Tensors = Sequence[torch.Tensor]
 @dataclass(frozen=True)
 class ScoringConfig:
     eval_windows: int = 32  # scoring windows: every miner of a round is measured on the same ones
-    pick_windows: int = 16  # other windows, on which the best free update is chosen
+    pick_windows: int = 32  # other windows, on which the best free update is chosen
     step_scale: float = 1.0  # η × N: 1 judges each update at its share of the step
-    free_scales: tuple[float, ...] = (0.0, 0.5, 1.0)  # c of the free updates c·Δ̄_{r−1}
+    free_scales: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)  # c of the free updates c·Δ̄_{r−1}
     # nats: the standard error of a paired edge (copy detection) is never taken as smaller than this, so that two
     # near-identical models (a copy of the reference) cannot look significant through a vanishing spread
     edge_floor: float = 0.002
