@@ -18,10 +18,19 @@ is larger than the differences between honest miners, cancels out of the compari
 share of the step (η = 1/N) an honest update keeps helping late in training; judged in full (η = 1) a single
 miner's end-of-round model overfits its own windows by round 6–7 and its credit turns to noise.
 
+One check at the full step: the miner's own end-of-round model θ_r − Δ_i must improve on θ_r on other data, by at least
+``own_model_fraction`` (¼) of what the round's median miner's own model does (``own_model_gain`` on the first
+``own_model_windows`` scoring windows). A miner that trains on one batch over and over (``overfitter``) makes a Δ whose
+small step still helps early in training — at η = 1/N it earned 17–85 % of an honest miner's credit in its first paid
+rounds on the adversarial network — but whose own model has memorized that batch: 0.07–1.0 nats *worse* than θ_r
+elsewhere, where honest miners' own models were 0.16–0.24 nats better (± 0.02–0.03), within ±20 % of each other. (Judged
+*only* at the full step, an honest update's credit turns into noise late in training: the reason credit itself is
+measured at η = 1/N.)
+
 Samples are drawn from the validator's private seed, so a miner cannot know which windows will be scored. Cost per
-miner: one model load and ``eval_windows`` forward passes; per round, the free updates on ``pick_windows`` and F* and
-θ_r on the scoring windows (docs/benchmarks.md). The per-window edge over a *reference* (:func:`edge_difference`)
-is also how :mod:`template.validation.round` tells a copy from its original.
+miner: two model loads and ``eval_windows`` + ``own_model_windows`` forward passes; per round, the free updates on
+``pick_windows`` and F* and θ_r on the scoring windows (docs/benchmarks.md). The per-window edge over a *reference*
+(:func:`edge_difference`) is also how :mod:`template.validation.round` tells a copy from its original.
 """
 
 from __future__ import annotations
@@ -48,12 +57,16 @@ class ScoringConfig:
     pick_windows: int = 32  # other windows, on which the best free update is chosen
     step_scale: float = 1.0  # η × N: 1 judges each update at its share of the step
     free_scales: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)  # c of the free updates c·Δ̄_{r−1}
+    own_model_windows: int = 32  # of the scoring windows, those on which the miner's own model θ_r − Δ is checked
+    # an own model that improves on θ_r by less than this × the round's median miner's own model did not train usefully
+    own_model_fraction: float = 0.25
     # nats: the standard error of a paired edge (copy detection) is never taken as smaller than this, so that two
     # near-identical models (a copy of the reference) cannot look significant through a vanishing spread
     edge_floor: float = 0.002
 
     def __post_init__(self) -> None:
-        if self.eval_windows < 2 or self.pick_windows < 1 or self.step_scale <= 0 or self.edge_floor <= 0:
+        if self.eval_windows < 2 or self.pick_windows < 1 or self.step_scale <= 0 or self.edge_floor <= 0 or \
+                not 2 <= self.own_model_windows <= self.eval_windows:
             raise ValueError(f"invalid scoring settings: {self}")
         if 0.0 not in self.free_scales:
             raise ValueError(f"free_scales must include 0 (θ_r itself), not {self.free_scales}")
@@ -66,6 +79,8 @@ class UpdateGains:
     gain: float  # L_W(θ_r) − L_W(θ_r − ηΔ): what it lowers the loss, the free part included
     credit: float  # mean_W of ℓ(θ_r − ηF*) − ℓ(θ_r − ηΔ): what it adds beyond the best free update
     credit_se: float  # standard error of ``credit`` over the scoring windows
+    own_model_gain: float  # L(θ_r) − L(θ_r − Δ) on the first ``own_model_windows``: the miner's own model
+    own_model_se: float  # ... and its standard error (reported)
 
 
 @dataclass(frozen=True)
@@ -188,8 +203,16 @@ def free_update(probe: LossProbe, theta: Tensors, previous_average: Tensors | No
     return FreeUpdate(best, losses, baseline)
 
 
-def update_gains(after: dict[int, float], free: FreeUpdate, windows: Sequence[int]) -> UpdateGains:
-    """The measures of an update from its per-window losses ``after`` (of θ_r − η·Δ) on the scoring ``windows``."""
+def update_gains(after: dict[int, float], own_model: dict[int, float], free: FreeUpdate,
+                 windows: Sequence[int]) -> UpdateGains:
+    """The measures of an update from its per-window losses on the scoring ``windows``: ``after`` of θ_r − η·Δ, and
+    ``own_model`` of θ_r − Δ (on those of the windows it covers)."""
     edges = [free.losses[w] - after[w] for w in windows]
+    own = [free.baseline[w] - own_model[w] for w in windows if w in own_model]
     return UpdateGains(gain=mean_over(free.baseline, windows) - mean_over(after, windows),
-                       credit=statistics.fmean(edges), credit_se=statistics.stdev(edges) / math.sqrt(len(edges)))
+                       credit=statistics.fmean(edges), credit_se=standard_error(edges),
+                       own_model_gain=statistics.fmean(own), own_model_se=standard_error(own))
+
+
+def standard_error(values: Sequence[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values))

@@ -101,3 +101,17 @@ class AdversarialNetwork:
 def share(weights: dict[int, float], uids: dict[str, int], names) -> float:
     """The part of ``weights`` that goes to the miners ``names``."""
     return sum(weights.get(uids[name], 0.0) for name in names)
+
+
+def scored_rounds(scored: list[dict], uids: dict[str, int], names) -> str:
+    """The validator's rounds for ``names``, one line each (what a failed assertion on weights prints: the network's
+    logs go with its temporary folder)."""
+    by_uid = {uids[name]: name for name in names}
+    lines = []
+    for event in scored:
+        rows = [f"{by_uid[row['uid']]} credit {row.get('credit')} ± {row.get('credit_se')} quality {row['quality']:.4g}"
+                f"{' (' + row['reason'] + ')' if row['reason'] else ''}"
+                for row in event["miners"] if row["uid"] in by_uid]
+        lines.append(f"round {event['round']} ({'paid' if event.get('paid') else 'not paid'}, free scale "
+                     f"{event.get('free_scale')}): " + "; ".join(rows))
+    return "\n".join(lines)

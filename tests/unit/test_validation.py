@@ -184,11 +184,20 @@ def test_books_of_earlier_formats_load_without_their_evidence(tmp_path):
 # --- one round, scored from real pseudo-gradients ------------------------------------------------------------------
 
 
+def gains_of(probe, theta, delta, free, scoring, step):
+    """An update's measures as the scorer takes them: at ``step`` on the scoring windows, at the full step on the
+    first ``own_model_windows`` of them."""
+    own_windows = scoring[:ScoringConfig.own_model_windows]
+    return update_gains(update_losses(probe, theta, delta, scoring, step),
+                        update_losses(probe, theta, delta, own_windows, 1.0), free, scoring)
+
+
 @pytest.fixture(scope="module")
 def trained_round():
     """Round 1 of two honest miners of a tiny model on built-in text (truncated for speed): θ_1 (θ_0 after the outer
-    step with round 0's average Δ̄_0), each miner's Δ of 15 steps on its own assigned windows of round 1, their average
-    Δ̄_1, and Δ̄_0 — what every miner holds for free in round 1."""
+    step with round 0's average Δ̄_0), each miner's Δ of 15 steps on its own assigned windows of round 1 (and an
+    overfitter's: 15 steps on one batch), the honest miners' average Δ̄_1, and Δ̄_0 — what every miner holds for
+    free in round 1."""
     torch.manual_seed(0)
     seq, batch, steps = 32, 8, 15
     tokenizer = load_tokenizer("bytes")
@@ -212,6 +221,10 @@ def trained_round():
     previous = average(train_round(0))
     outer.step(previous)
     deltas = train_round(1)
+    overfitter = copy.deepcopy(model)  # the same steps, on one batch over and over
+    one_batch = next(corpus.batches(assignment.assigned_windows("overfitter", 1, batch), batch))
+    InnerTrainer(overfitter, InnerConfig(lr=3e-3, warmup_steps=1), "cpu").train(iter([one_batch] * steps), steps)
+    deltas["overfitter"] = outer.pseudo_gradient(overfitter)
     theta = [t.clone() for t in outer.params()]
     probe = LossProbe(model, corpus, batch, "cpu")
     sampler = WindowSampler(assignment, steps * batch, seed=123)
@@ -229,28 +242,30 @@ def test_credit_pays_honest_work_and_nothing_for_the_free_average_however_it_is_
     free = free_update(probe, theta, previous, pick, scoring, step, config)
     assert free.scale in config.free_scales
 
-    def measure(delta):
-        return update_gains(update_losses(probe, theta, delta, scoring, step), free, scoring)
+    def measure(delta, against=free):
+        return gains_of(probe, theta, delta, against, scoring, step)
 
     def plus_noise(tensors, rel):
         return [t + rel * t.norm() * n / n.norm() for t, n in ((t, torch.randn(t.shape)) for t in tensors)]
 
-    honest = [measure(deltas[h]) for h in deltas]
+    honest = [measure(deltas[h]) for h in ("honest-a", "honest-b")]
     best = max(h.credit for h in honest)
     assert all(h.credit > 0 for h in honest), honest
     for rel in (0.15, 0.3, 0.6):  # Δ̄_0 re-published under noise: no credit
         assert measure(plus_noise(previous, rel)).credit <= 0.1 * best
     assert measure([torch.randn_like(t) * t.norm() / t.numel() ** 0.5 for t in deltas["honest-a"]]).credit < 0.1 * best
+    # the overfitter's own model is worse than θ_r on other data (whatever its small step is worth)
+    assert measure(deltas["overfitter"]).own_model_gain < 0
     # what is free is not paid: had Δ̄_1 itself been free, re-applying it would lower the loss — and a copy of it
     # earns no more than what the free update already does
     given = free_update(probe, theta, averaged, pick, scoring, step, config)
     assert given.scale > 0
-    copied = update_gains(update_losses(probe, theta, plus_noise(averaged, 0.3), scoring, step), given, scoring)
+    copied = measure(plus_noise(averaged, 0.3), given)
     assert copied.gain > 0.5 * max(h.gain for h in honest) and copied.credit <= 0.1 * copied.gain, copied
     # without a previous average the only free update is θ_r itself: the credit is the raw gain
     bare = free_update(probe, theta, None, pick, scoring, step, config)
     assert bare.scale == 0.0 and bare.losses == bare.baseline
-    raw = update_gains(update_losses(probe, theta, deltas["honest-a"], scoring, step), bare, scoring)
+    raw = measure(deltas["honest-a"], bare)
     assert raw.credit == pytest.approx(raw.gain)
 
 
@@ -275,6 +290,7 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
         candidate("copy-exact", 5, [t.clone() for t in a], block=107, coverage=0.0),
         candidate("copy-noisy", 6, [t + 1e-3 * t.std() * torch.randn(t.shape) for t in b], block=108),
         candidate("copycat-average", 7, [t + 1e-3 * t.std() * torch.randn(t.shape) for t in averaged]),
+        candidate("overfitter", 14, deltas["overfitter"], coverage=1.0),
         candidate("nan", 8, nan),
         Candidate("unreachable", 9, None, fetch_error="FetchTimeoutError: took longer than 20s"),
         Candidate("wrong-base", 10, a, "b" * 64, 105),
@@ -290,6 +306,7 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
         "copy-noisy": "copy of honest-b", "copycat-average": "average", "nan": "NaN or inf",
         "unreachable": "not fetched", "wrong-base": "trained from θ", "backdated": "outside the round's window",
     }
+    assert verdicts["overfitter"].quality == 0.0  # its small step does not help here (no credit), whatever the gate
     assert verdicts["twofaced"].reason == "it published other bytes than it contributed to the all-reduce"
     assert verdicts["twofaced"].quality == 0.0 and verdicts["twofaced"].gains is None
     for hotkey, fragment in expected.items():
