@@ -9,8 +9,8 @@ Order of the checks (each failing miner gets a round score of 0 and the first re
 5. not a replay of an earlier round's Δ or Δ̄, and not the round's own Δ̄ re-published (when the miner did not
    contribute most of Δ̄ itself);
 6. the loss measure (:mod:`~template.validation.scoring`): every miner's credit beyond the best free update, all on the
-   same windows, at the update's share of the step, and its own end-of-round model better than θ_r on other data by at
-   least ¼ of the round's median miner's (an overfitter's is worse); then copies between miners of this round (a paired
+   same windows, at the update's share of the step, and its own end-of-round model not significantly worse than θ_r on
+   other data (an overfitter's is); then copies between miners of this round (a paired
    test on a sample of each one's assigned windows says which of two near-copies was trained on its own data; the
    earlier signature decides when it cannot);
 7. quality = max(0, credit) × coverage × share: coverage is the fraction of the round's averaged segments that
@@ -28,7 +28,6 @@ The scorer keeps the sketches of the last ``history_rounds`` rounds for replay d
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -201,10 +200,9 @@ class RoundScorer:
     def _probe(self, context: RoundContext, candidates: Sequence[Candidate], reasons: dict[str, str],
                out_of_time: Callable[[], bool]) -> tuple[dict[str, UpdateGains], list[str], FreeUpdate | None]:
         """The credit of every candidate (:mod:`~template.validation.scoring`), all on the same scoring windows, and the
-        hotkeys of the helpful ones (gain > 0); a candidate whose own model θ_r − Δ improves on θ_r by no more than ¼ of
-        the round's median candidate's gets a reason. The free updates are loaded once each, then each candidate's Δ
-        twice (at η and at the full step): up to 2 + len(free_scales) + 2N model loads (a load of a large model costs
-        seconds)."""
+        hotkeys of the helpful ones (gain > 0); a candidate whose own model θ_r − Δ is significantly worse than θ_r gets
+        a reason. The free updates are loaded once each, then each candidate's Δ twice (at η and at the full step): up
+        to 2 + len(free_scales) + 2N model loads (a load of a large model costs seconds)."""
         if not candidates:
             return {}, [], None
         config = self.scoring
@@ -222,14 +220,10 @@ class RoundScorer:
                 continue
             after = update_losses(self.probe, context.theta, c.tensors, scoring, step)
             own_model = update_losses(self.probe, context.theta, c.tensors, scoring[:config.own_model_windows], 1.0)
-            gains[c.hotkey] = update_gains(after, own_model, free, scoring)
-        if gains:
-            least = max(0.0, config.own_model_fraction * statistics.median(g.own_model_gain for g in gains.values()))
-            for hotkey, g in gains.items():
-                if g.own_model_gain <= least:
-                    reasons[hotkey] = (f"its own model θ_r − Δ gains {g.own_model_gain:.3g} ± {g.own_model_se:.2g} "
-                                       f"nats over θ_r on other data, at most {least:.3g} (¼ of the round's median "
-                                       f"miner's): overfit or badly trained")
+            g = gains[c.hotkey] = update_gains(after, own_model, free, scoring)
+            if g.own_model_gain < -config.own_model_z * g.own_model_se:
+                reasons[c.hotkey] = (f"its own model θ_r − Δ is worse than θ_r on other data by "
+                                     f"{-g.own_model_gain:.3g} ± {g.own_model_se:.2g} nats: overfit or badly trained")
         return gains, [hotkey for hotkey, g in gains.items() if g.gain > 0], free
 
     def _paired_z(self, context: RoundContext, update: Tensors, others: Sequence[Tensors], a: str, b: str) -> float:
