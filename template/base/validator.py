@@ -207,7 +207,8 @@ class Validator:
         paid = free is not None
         scores = {v.hotkey: v.quality if paid else 0.0 for v in verdicts}
         if paid:
-            self.book.update(pending.round, scores, {v.hotkey: v.reason for v in verdicts})
+            self.book.update(pending.round, scores, {v.hotkey: v.reason for v in verdicts},
+                             forfeit=[v.hotkey for v in verdicts if v.forfeits])
         else:
             log.info("round %d is not paid: the validator does not hold Δ̄ of round %d, which every miner had for free",
                      pending.round, pending.round - 1)

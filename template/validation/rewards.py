@@ -77,8 +77,12 @@ class ScoreBook:
     last_weights_block: int = -1
     typical_best: float = 0.0  # moving average of each round's best score (0 until the first positive one)
 
-    def update(self, round: int, scores: Mapping[str, float], reasons: Mapping[str, str] | None = None) -> None:
-        """Fold in the qualities (≥ 0) of the miners scored for ``round``."""
+    def update(self, round: int, scores: Mapping[str, float], reasons: Mapping[str, str] | None = None,
+               forfeit: Iterable[str] = ()) -> None:
+        """Fold in the qualities (≥ 0) of the miners scored for ``round``; the miners in ``forfeit`` lose what they
+        had accumulated first (their own model showed, significantly, that they do not train as they claim)."""
+        for hotkey in forfeit:
+            self.miners.setdefault(hotkey, MinerScore()).ema = 0.0
         if any(not (value >= 0) for value in scores.values()):
             raise ValueError("round scores must be >= 0")
         best = max(scores.values(), default=0.0)

@@ -95,6 +95,7 @@ class Verdict:
     norm: float = 0.0
     coverage: float | None = None
     share: float | None = None  # its tokens relative to a full assignment's, at most 1 (None: unknown)
+    forfeits: bool = False  # its own model was significantly worse than θ_r: what it earned before is forfeit
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,9 @@ class RoundScorer:
             if c.hotkey not in reasons and g is not None:
                 share = 1.0 if c.token_share is None else c.token_share
                 quality = max(0.0, g.credit) * (1.0 if c.coverage is None else c.coverage) * share
+            overfit = g is not None and g.own_model_gain < -self.scoring.own_model_z * g.own_model_se
             verdicts.append(Verdict(c.hotkey, c.uid, quality, reasons.get(c.hotkey, ""), g,
-                                    norms.get(c.hotkey, 0.0), c.coverage, c.token_share))
+                                    norms.get(c.hotkey, 0.0), c.coverage, c.token_share, forfeits=overfit))
         return verdicts
 
     def _basic_problem(self, context: RoundContext, c: Candidate) -> str | None:
@@ -223,7 +225,8 @@ class RoundScorer:
             g = gains[c.hotkey] = update_gains(after, own_model, free, scoring)
             if g.own_model_gain < -config.own_model_z * g.own_model_se:
                 reasons[c.hotkey] = (f"its own model θ_r − Δ is worse than θ_r on other data by "
-                                     f"{-g.own_model_gain:.3g} ± {g.own_model_se:.2g} nats: overfit or badly trained")
+                                     f"{-g.own_model_gain:.3g} ± {g.own_model_se:.2g} nats: overfit or badly trained "
+                                     f"(its earlier credit is forfeit)")
         return gains, [hotkey for hotkey, g in gains.items() if g.gain > 0], free
 
     def _paired_z(self, context: RoundContext, update: Tensors, others: Sequence[Tensors], a: str, b: str) -> float:

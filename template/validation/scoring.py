@@ -20,12 +20,13 @@ miner's end-of-round model overfits its own windows by round 6–7 and its credi
 
 One check at the full step: the miner's own end-of-round model θ_r − Δ_i must not be *significantly worse* than θ_r on
 other data (``own_model_gain`` on the first ``own_model_windows`` scoring windows, refused at ``own_model_z`` standard
-errors below 0). A miner that trains on one batch over and over (``overfitter``) makes a Δ whose small step still helps
-early in training — at η = 1/N it earned 17–85 % of an honest miner's credit in its first paid rounds on the adversarial
-network — but whose own model has memorized that batch: 0.07–1.0 nats worse than θ_r elsewhere (2.2–15 standard errors).
-Honest miners' own models were 0.16–0.24 nats better early; later in training their full step stops generalizing (down
-to −0.009 ± 0.1 nats on the local network: an own model overfits its own windows), which is why the check asks only for
-*not significantly worse*, and why credit itself is measured at η = 1/N.
+errors below 0; :mod:`template.validation.rewards` then forfeits the miner's accumulated score). A miner that trains on
+one batch over and over (``overfitter``) makes a Δ whose small step still helps early in training — at η = 1/N it earned
+17–85 % of an honest miner's credit in its first paid rounds on the adversarial network — but whose own model, once it
+has memorized that batch, is 0.07–1.4 nats worse than θ_r elsewhere (2.2–16 standard errors). Honest miners' own models
+were 0.16–0.24 nats better early; later in training their full step stops generalizing (down to −0.009 ± 0.1 nats on the
+local network: an own model overfits its own windows), which is why the check asks only for *not significantly worse*,
+and why credit itself is measured at η = 1/N.
 
 Samples are drawn from the validator's private seed, so a miner cannot know which windows will be scored. Cost per
 miner: two model loads and ``eval_windows`` + ``own_model_windows`` forward passes; per round, the free updates on
@@ -58,8 +59,8 @@ class ScoringConfig:
     step_scale: float = 1.0  # η × N: 1 judges each update at its share of the step
     free_scales: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)  # c of the free updates c·Δ̄_{r−1}
     own_model_windows: int = 32  # of the scoring windows, those on which the miner's own model θ_r − Δ is checked
-    # an own model worse than θ_r by this many standard errors did not train usefully (overfit, or trained badly)
-    own_model_z: float = 2.0
+    # an own model worse than θ_r by this many standard errors did not train as claimed (overfit, or trained badly)
+    own_model_z: float = 3.0
     # nats: the standard error of a paired edge (copy detection) is never taken as smaller than this, so that two
     # near-identical models (a copy of the reference) cannot look significant through a vanishing spread
     edge_floor: float = 0.002

@@ -130,6 +130,9 @@ def test_score_book_pays_the_moving_average_of_relative_scores_linearly():
         weights = book.weights({"full": 0, "twin": 1, "missed-one": 2})
         assert weights[0] == pytest.approx(weights[1])
         assert 0.8 - 1e-9 <= weights[2] / weights[0] < 1.0, (missed, weights)
+    # a miner whose own model showed it does not train as claimed forfeits what it had earned
+    book.update(10, {"full": 1.0, "missed-one": 0.0}, forfeit=["missed-one"])
+    assert book.miners["missed-one"].ema == 0.0 and book.miners["full"].ema > 0
     # half the credit every round earns half the weight (no power that would turn it into 35 %)
     book = ScoreBook(RewardConfig())
     for r in range(5):
@@ -307,6 +310,7 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
         "unreachable": "not fetched", "wrong-base": "trained from θ", "backdated": "outside the round's window",
     }
     assert verdicts["overfitter"].quality == 0.0  # its small step does not help here (no credit), whatever the gate
+    assert not any(v.forfeits for v in verdicts.values() if v.hotkey.startswith("honest"))
     assert verdicts["twofaced"].reason == "it published other bytes than it contributed to the all-reduce"
     assert verdicts["twofaced"].quality == 0.0 and verdicts["twofaced"].gains is None
     for hotkey, fragment in expected.items():
