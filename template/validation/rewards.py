@@ -24,6 +24,10 @@ turn evaluation noise between equal miners into a large difference in pay (α = 
 defaults, paid two honest miners 91 % / 9 %); it is no longer needed to hide copiers, whose credit beyond the free
 update is ~0 in every round (docs/validation.md, measured).
 
+The one exception to "a round without credit": a miner whose own end-of-round model was *significantly* worse than
+θ_r (:mod:`template.validation.scoring`) forfeits what it had accumulated — it showed that it does not train as it
+claims, and its earlier credit (an overfitter's small step helps early in training) is not trusted.
+
 Scores are keyed by hotkey, not uid: a uid that is re-registered by another hotkey starts from zero.
 
 On failure: :meth:`ScoreBook.save` writes a temporary file, fsyncs it and renames it over the old one, so a crash
