@@ -56,6 +56,7 @@ from template.validation.scoring import (
     WindowSampler,
     free_update,
     mean_update,
+    overfit,
     paired_edge_z,
     update_gains,
     update_losses,
@@ -181,9 +182,9 @@ class RoundScorer:
             if c.hotkey not in reasons and g is not None:
                 share = 1.0 if c.token_share is None else c.token_share
                 quality = max(0.0, g.credit) * (1.0 if c.coverage is None else c.coverage) * share
-            overfit = g is not None and g.own_model_gain < -self.scoring.own_model_z * g.own_model_se
             verdicts.append(Verdict(c.hotkey, c.uid, quality, reasons.get(c.hotkey, ""), g,
-                                    norms.get(c.hotkey, 0.0), c.coverage, c.token_share, forfeits=overfit))
+                                    norms.get(c.hotkey, 0.0), c.coverage, c.token_share,
+                                    forfeits=g is not None and overfit(g, self.scoring)))
         return verdicts
 
     def _basic_problem(self, context: RoundContext, c: Candidate) -> str | None:
@@ -223,7 +224,7 @@ class RoundScorer:
             after = update_losses(self.probe, context.theta, c.tensors, scoring, step)
             own_model = update_losses(self.probe, context.theta, c.tensors, scoring[:config.own_model_windows], 1.0)
             g = gains[c.hotkey] = update_gains(after, own_model, free, scoring)
-            if g.own_model_gain < -config.own_model_z * g.own_model_se:
+            if overfit(g, config):
                 reasons[c.hotkey] = (f"its own model θ_r − Δ is worse than θ_r on other data by "
                                      f"{-g.own_model_gain:.3g} ± {g.own_model_se:.2g} nats: overfit or badly trained "
                                      f"(its earlier credit is forfeit)")

@@ -215,5 +215,10 @@ def update_gains(after: dict[int, float], own_model: dict[int, float], free: Fre
                        own_model_gain=statistics.fmean(own), own_model_se=standard_error(own))
 
 
+def overfit(gains: UpdateGains, config: ScoringConfig) -> bool:
+    """Whether the miner's own model θ_r − Δ was significantly worse than θ_r (``own_model_z`` standard errors)."""
+    return gains.own_model_gain < -config.own_model_z * gains.own_model_se
+
+
 def standard_error(values: Sequence[float]) -> float:
     return statistics.stdev(values) / math.sqrt(len(values))
