@@ -60,7 +60,7 @@ class ScoringConfig:
     free_scales: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)  # c of the free updates c·Δ̄_{r−1}
     own_model_windows: int = 16  # of the scoring windows, those on which the miner's own model θ_r − Δ is checked
     # an own model worse than θ_r by this many standard errors did not train as claimed (overfit, or trained badly)
-    own_model_z: float = 3.0
+    own_model_z: float = 2.0
     # nats: the standard error of a paired edge (copy detection) is never taken as smaller than this, so that two
     # near-identical models (a copy of the reference) cannot look significant through a vanishing spread
     edge_floor: float = 0.002
