@@ -19,10 +19,9 @@ and weights are ``ema_i ** power`` normalized to sum to 1, with ``power`` 1 by d
 credit accumulated over the last ~1/α rounds. With α = 0.1 a round missed without anyone's proven fault (a timeout, a
 partial all-reduce) counts as a round without credit, never as a conviction: a miner that missed 1 of its first 10
 rounds holds 85–95 % of the weight of one that missed none (85 % when the missed round is the newest), and the
-difference fades as more rounds follow. A power > 1 would
-turn evaluation noise between equal miners into a large difference in pay (α = 0.5 and power 2.5, the earlier
-defaults, paid two honest miners 91 % / 9 %); it is no longer needed to hide copiers, whose credit beyond the free
-update is ~0 in every round (docs/validation.md, measured).
+difference fades as more rounds follow. A power > 1 would turn evaluation noise between equal miners into a large
+difference in pay (α = 0.5 and power 2.5, the earlier defaults, paid two honest miners 91 % / 9 %); it is no longer
+needed to hide copiers, whose credit beyond the free update is ~0 in every round (docs/validation.md, measured).
 
 The one exception to "a round without credit": a miner whose own end-of-round model was *significantly* worse than
 θ_r (:mod:`template.validation.scoring`) forfeits what it had accumulated — it showed that it does not train as it
