@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,21 +44,9 @@ def layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-# imports_of in a fresh interpreter, for one path given as its argument; prints the sorted names as JSON
-FRESH_INTERPRETER = ("import json, sys; from pathlib import Path; from tests.unit.test_layers import imports_of; "
-                     "print(json.dumps(sorted(imports_of(Path(sys.argv[1])))))")
-
-
 def imports_of(path: Path) -> set[str]:
     """Every module ``path`` imports (absolute names; ``from template import X`` counts as ``template.X``)."""
-    try:
-        tree = ast.parse(path.read_text(), str(path))
-    except SystemError:
-        # CPython 3.11.7's ast.parse raised "AST constructor recursion depth mismatch" on CI twice, late in the long
-        # test session (interpreter state left by earlier tests, not the file): parse it in a fresh interpreter
-        result = subprocess.run([sys.executable, "-c", FRESH_INTERPRETER, str(path)], cwd=REPO, capture_output=True,
-                                text=True, timeout=120, check=True)
-        return set(json.loads(result.stdout))
+    tree = ast.parse(path.read_text(), str(path))
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -75,8 +60,7 @@ def imports_of(path: Path) -> set[str]:
 
 @functools.cache
 def graph() -> dict[str, set[str]]:
-    """The package's import graph, parsed once per test session (callers only read it): CPython 3.11.7's ``ast.parse``
-    raised "AST constructor recursion depth mismatch" once on CI when the graph was parsed a third time."""
+    """The package's import graph, parsed once per test session (callers only read it)."""
     return {module_name(path): imports_of(path) for path in PACKAGE.rglob("*.py")}
 
 
