@@ -33,9 +33,9 @@ def test_fails_while_a_parsing_finalizer_waits():
 
 
 def run_pytest(folder: Path, *plugin: str) -> str:
+    environment = {"PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1", "PATH": ""}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, "test_it.py"],
-                            cwd=folder, env={"PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1", "PATH": ""}, capture_output=True, text=True,
-                            timeout=120)
+                            cwd=folder, env=environment, capture_output=True, text=True, timeout=120)
     return result.stdout + result.stderr
 
 
