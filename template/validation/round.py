@@ -13,13 +13,14 @@ Order of the checks (each failing miner gets a round score of 0 and the first re
    other data (an overfitter's is); then copies between miners of this round (a paired
    test on a sample of each one's assigned windows says which of two near-copies was trained on its own data; the
    earlier signature decides when it cannot);
-7. quality = max(0, credit) × coverage × share: coverage is the fraction of the round's averaged segments that
-   include the miner's contribution (as the validator saw the all-reduce) — a Δ that did not reach the shared model
-   earned nothing for it, whatever it would have been worth; share is the tokens it announced to the group relative
-   to the lower median of the group's announcements (a full assignment when most miners train theirs; at most 1),
-   so a miner that trained a fraction f of its steps, and said so, is paid for the fraction of the step its update
-   took in the average. The score book (:mod:`~template.validation.rewards`) turns
-   qualities into weights.
+7. quality = credit × significance × coverage × share: significance is 1 for a credit at least 2 standard errors
+   above 0, 0 up to 1 standard error, linear between (:func:`~template.validation.scoring.significant_credit`);
+   coverage is the fraction of the round's averaged segments that include the miner's contribution (as the validator
+   saw the all-reduce) — a Δ that did not reach the shared model earned nothing for it, whatever it would have been
+   worth; share is the tokens it announced to the group relative to the lower median of the group's announcements
+   (a full assignment when most miners train theirs; at most 1), so a miner that trained a fraction f of its steps,
+   and said so, is paid for the fraction of the step its update took in the average. The score book
+   (:mod:`~template.validation.rewards`) turns qualities into weights.
 
 The scorer keeps the sketches of the last ``history_rounds`` rounds for replay detection, and can persist them
 (safetensors, atomic) so a restarted validator still recognizes replays.
@@ -58,6 +59,7 @@ from template.validation.scoring import (
     mean_update,
     overfit,
     paired_edge_z,
+    significant_credit,
     update_gains,
     update_losses,
 )
@@ -90,7 +92,7 @@ class Candidate:
 class Verdict:
     hotkey: str
     uid: int
-    quality: float  # ≥ 0: max(0, credit) × coverage × share, 0 on a failed check
+    quality: float  # ≥ 0: significant credit × coverage × share, 0 on a failed check
     reason: str  # "" when every check passed
     gains: UpdateGains | None = None
     norm: float = 0.0
@@ -181,7 +183,7 @@ class RoundScorer:
             quality = 0.0
             if c.hotkey not in reasons and g is not None:
                 share = 1.0 if c.token_share is None else c.token_share
-                quality = max(0.0, g.credit) * (1.0 if c.coverage is None else c.coverage) * share
+                quality = significant_credit(g, self.scoring) * (1.0 if c.coverage is None else c.coverage) * share
             verdicts.append(Verdict(c.hotkey, c.uid, quality, reasons.get(c.hotkey, ""), g,
                                     norms.get(c.hotkey, 0.0), c.coverage, c.token_share,
                                     forfeits=g is not None and overfit(g, self.scoring)))

@@ -61,13 +61,17 @@ class ScoringConfig:
     own_model_windows: int = 16  # of the scoring windows, those on which the miner's own model θ_r − Δ is checked
     # an own model worse than θ_r by this many standard errors did not train as claimed (overfit, or trained badly)
     own_model_z: float = 2.0
+    # credit counts in full from credit_z_full standard errors above 0, not at all up to credit_z_zero, linearly between
+    credit_z_zero: float = 1.0
+    credit_z_full: float = 2.0
     # nats: the standard error of a paired edge (copy detection) is never taken as smaller than this, so that two
     # near-identical models (a copy of the reference) cannot look significant through a vanishing spread
     edge_floor: float = 0.002
 
     def __post_init__(self) -> None:
         if self.eval_windows < 2 or self.pick_windows < 1 or self.step_scale <= 0 or self.edge_floor <= 0 or \
-                not 2 <= self.own_model_windows <= self.eval_windows:
+                not 2 <= self.own_model_windows <= self.eval_windows or \
+                not 0 <= self.credit_z_zero < self.credit_z_full:
             raise ValueError(f"invalid scoring settings: {self}")
         if 0.0 not in self.free_scales:
             raise ValueError(f"free_scales must include 0 (θ_r itself), not {self.free_scales}")
@@ -218,6 +222,23 @@ def update_gains(after: dict[int, float], own_model: dict[int, float], free: Fre
 def overfit(gains: UpdateGains, config: ScoringConfig) -> bool:
     """Whether the miner's own model θ_r − Δ was significantly worse than θ_r (``own_model_z`` standard errors)."""
     return gains.own_model_gain < -config.own_model_z * gains.own_model_se
+
+
+def significant_credit(gains: UpdateGains, config: ScoringConfig) -> float:
+    """The part of the credit that is paid: in full when it is at least ``credit_z_full`` standard errors above 0,
+    nothing up to ``credit_z_zero``, a linear ramp between (so no cliff between two honest miners near the line).
+
+    Why: a credit within noise of 0 is what an update that adds nothing scores half the time. The adversarial network's
+    stale miner (its own Δ of two rounds before) earned 0.0029 ± 0.0043 nats, 5 % of the best honest credit, in a round
+    where honest credits were 10–11 standard errors above 0; honest credits were 4–11 standard errors above 0 in every
+    paid round of that network (docs/validation.md)."""
+    if gains.credit <= 0:
+        return 0.0
+    if gains.credit_se <= 0:
+        return gains.credit
+    z = gains.credit / gains.credit_se
+    weight = (z - config.credit_z_zero) / (config.credit_z_full - config.credit_z_zero)
+    return gains.credit * min(1.0, max(0.0, weight))
 
 
 def standard_error(values: Sequence[float]) -> float:

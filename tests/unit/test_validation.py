@@ -31,8 +31,10 @@ from template.validation.round import Candidate, RoundContext, RoundScorer
 from template.validation.scoring import (
     LossProbe,
     ScoringConfig,
+    UpdateGains,
     WindowSampler,
     free_update,
+    significant_credit,
     update_gains,
     update_losses,
 )
@@ -139,6 +141,23 @@ def test_score_book_pays_the_moving_average_of_relative_scores_linearly():
         book.update(r, {"full": 1.0, "half": 0.5})
     weights = book.weights({"full": 0, "half": 1})
     assert weights[1] / weights[0] == pytest.approx(0.5)
+
+
+def test_only_credit_clear_of_noise_is_paid_with_a_ramp_between_one_and_two_standard_errors():
+    config = ScoringConfig()
+
+    def paid(credit: float, se: float) -> float:
+        return significant_credit(UpdateGains(gain=credit, credit=credit, credit_se=se, own_model_gain=0.0,
+                                              own_model_se=0.01), config)
+
+    assert paid(0.05, 0.005) == 0.05  # an honest round: 10 standard errors
+    assert paid(0.02, 0.01) == 0.02  # exactly 2: in full
+    assert paid(0.015, 0.01) == pytest.approx(0.0075)  # 1.5: half
+    assert paid(0.0029, 0.0043) == 0.0  # the stale miner's round on the adversarial network: within noise
+    assert paid(-0.01, 0.001) == 0.0 and paid(0.0, 0.0) == 0.0
+    assert paid(0.01, 0.0) == 0.01  # no spread at all: nothing to discount
+    with pytest.raises(ValueError):
+        ScoringConfig(credit_z_zero=2.0, credit_z_full=2.0)
 
 
 def test_score_book_floor_stops_a_hair_from_taking_full_credit():
