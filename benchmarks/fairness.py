@@ -8,9 +8,9 @@ weights; then the validator's last weights and its per-round ``scored`` rows are
 
 - ``honest`` (``--networks`` times): 3 honest miners, 6 rounds (5 scored). Per network: max/min of the honest
   miners' weights (goal ≤ 1.25 in ≥ 9 of 10 networks).
-- ``partial``: 2 honest miners, ``skips-one`` (sits out its 3rd round), ``partial`` at f = 0.1 and at f = 0.5; 11
-  rounds (10 scored). Goals: skips-one ≥ 0.8 of the honest mean; partial weight / honest mean ≤ f + 0.05, > 0 at
-  f = 0.5.
+- ``partial``: 2 honest miners, ``skips-one`` (its 3rd all-reduce lost: it trains, contributes an empty Δ),
+  ``partial`` at f = 0.1 and at f = 0.5; 11 rounds (10 scored). Goals: skips-one ≥ 0.8 of the honest mean;
+  partial weight / honest mean ≤ f + 0.05, > 0 at f = 0.5.
 - ``copiers-a``, ``copiers-b``, ``copiers-c``: 3 honest miners and two copiers each — ``noisy-average`` at rel 0.15
   and 0.3; ``noisy-average`` at 0.6 and ``stale-average``; ``copycat`` and ``freerider`` — 6 rounds. Goals: each
   copier ≤ 1 % of the weight, and its credit in a round ≤ 10 % of the best honest credit of that round in ≥ 90 % of

@@ -134,11 +134,13 @@ def test_partial_runs_its_fraction_of_the_inner_steps_and_refuses_nonsense():
         NoisyAverage(rel=-0.1)
 
 
-def test_skips_one_trains_nothing_in_its_third_round_and_is_honest_otherwise():
+def test_skips_one_trains_every_round_and_contributes_nothing_in_its_third():
     behaviour = SkipsOne()
-    plans = [behaviour.plan(plain_plan(round=r)) for r in range(5)]
-    assert [p.max_steps for p in plans] == [5, 5, 0, 5, 5] and all(p.contributes for p in plans)
-    assert plans[3] == plain_plan(round=3)
+    assert all(behaviour.plan(plain_plan(round=r)) == plain_plan(round=r) for r in range(5))
+    delta = deltas(0)
+    contributed = [behaviour.contribution(r, delta) for r in range(5)]
+    assert all(float(t.abs().sum()) == 0.0 for t in contributed[2])
+    assert all(c is delta for i, c in enumerate(contributed) if i != 2)
 
 
 def test_two_faced_miners_publish_their_delta_and_contribute_something_else():
