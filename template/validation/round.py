@@ -144,7 +144,11 @@ class RoundScorer:
                 reasons[c.hotkey] = reason
         valid = [c for c in candidates if c.hotkey not in reasons]
         norms = {c.hotkey: total_norm(c.tensors) for c in valid}
-        reference = reference_norm(list(norms.values()))
+        # The reference is set by the miners that announced a full assignment: a partial miner's update is shorter by
+        # design, and two of them beside a miner whose contribution was lost pulled it below a third of the two honest
+        # miners' norms (fairness benchmark), which were then refused as "over 3x"
+        full = [norms[c.hotkey] for c in valid if c.token_share is None or c.token_share >= 1.0]
+        reference = reference_norm(full) or reference_norm(list(norms.values()))
         sketches = {c.hotkey: self.sketch.of(c.tensors) for c in valid}
         average_sketch = self.sketch.of(context.averaged) if context.averaged is not None else None
         earlier = [(label.split("|", 1)[1] + f" of round {label.split('|', 1)[0]}", sketch)

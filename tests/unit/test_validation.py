@@ -340,6 +340,27 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
     assert replay.quality == 0.0 and "replays the Δ of honest-a of round 0" in replay.reason
 
 
+def test_partial_miners_do_not_set_the_norm_reference(trained_round):
+    """Two honest miners beside short updates that announced a fraction of the tokens (and a lost contribution):
+    the reference is the honest miners' norm, so neither honest miner is refused as over 3x; a scaled update still
+    is, whatever it announced."""
+    theta, deltas, averaged, _, probe, sampler = trained_round
+    scorer = RoundScorer(probe, sampler, [t.shape for t in theta], integrity=IntegrityConfig(),
+                         scoring=ScoringConfig(), sketch_seed=5)
+    h = "d" * 64
+    small = [Candidate(f"partial-{fraction}", i, [fraction * t for t in deltas["honest-b"]], h, 5,
+                       token_share=fraction) for i, fraction in ((3, 0.1), (4, 0.25), (7, 0.3))]
+    lost = Candidate("lost", 5, [torch.zeros_like(t) for t in theta], h, 5, token_share=1.0)
+    honest = [Candidate(name, i, deltas[name], h, 5, token_share=1.0) for i, name in ((1, "honest-a"), (2, "honest-b"))]
+    scaled = Candidate("scaled", 6, [10 * t for t in deltas["honest-a"]], h, 5, token_share=0.5)
+    context = RoundContext(0, theta, h, None, 0, 10, contributors=5)
+    verdicts = {v.hotkey: v for v in scorer.score(context, [*honest, *small, lost, scaled])}
+    all_norms = sorted(v.norm for v in verdicts.values() if v.norm > 0)
+    assert max(verdicts[c.hotkey].norm for c in honest) > 3 * all_norms[(len(all_norms) - 1) // 2]  # the old trap
+    assert all("over 3x" not in verdicts[c.hotkey].reason for c in honest), verdicts
+    assert "over 3x" in verdicts["scaled"].reason and "empty update" in verdicts["lost"].reason
+
+
 def test_quality_counts_only_what_reached_the_average_and_time_limits_are_reported(trained_round, tmp_path):
     theta, deltas, averaged, _, probe, sampler = trained_round
     scorer = RoundScorer(probe, sampler, [t.shape for t in theta], integrity=IntegrityConfig(),
