@@ -3,13 +3,17 @@
 **A round's score.** The scorer (:mod:`template.validation.round`) hands each scored miner's *quality*: its credit
 beyond the best free update, × coverage × share (0 when a check failed or nothing was fetched). Per scored round each
 quality becomes a *relative* score ``q_i / max(max_j q_j, floor)``, where ``floor`` is ``best_floor`` (1) × a moving
-average of earlier rounds' best scores: each round is measured against the larger of its own best and what the best
-typically earns, so rounds early in training (large gains) and later (smaller gains) count about alike, while a round
-in which nobody's update helped much — a round of little signal, whose credits are mostly evaluation noise, or one in
-which every good miner was missing — hands out little to anyone instead of letting noise decide who is "the best".
+average of earlier rounds' best scores (weight ``typical_alpha`` = 0.3 on the newest): each round is measured against
+the larger of its own best and what the best typically earns, so rounds early in training (large gains) and later
+(smaller gains) count about alike, while a round in which nobody's update helped much — a round of little signal,
+whose credits are mostly evaluation noise, or one in which every good miner was missing — hands out little to anyone
+instead of letting noise decide who is "the best".
 Measured on the local network (docs/validation.md): with the floor at 0.1 × the typical best one such round (best
 credit 0.019 nats against ~0.1 typical; honest credits 0.019, 0.006 and −0.010) made three honest miners' weights
-1.38× apart; at 1 × the typical best, 1.20×.
+1.38× apart; at 1 × the typical best, 1.20×. The typical best follows the rounds' bests quickly (α 0.3) because
+credit falls 5–10× over the first rounds of training: averaged slowly (α 0.1) it lagged so far behind that late rounds
+paid a fraction of early ones, and a miner whose contribution was lost in an early round kept 0.81–0.85 of an honest
+miner's weight; replayed on the same rounds with α 0.3, 0.88–0.90 (fairness benchmark, docs/benchmarks.md §5b).
 
 **Over rounds: linear pay.** The relative scores are averaged per miner with an exponential moving average::
 
@@ -52,9 +56,11 @@ class RewardConfig:
     ema_alpha: float = 0.1
     power: float = 1.0
     best_floor: float = 1.0  # × the moving average of the rounds' best scores
+    typical_alpha: float = 0.3  # weight of the newest round's best in that moving average
 
     def __post_init__(self) -> None:
-        if not (0 < self.ema_alpha <= 1 and self.power > 0 and 0 <= self.best_floor <= 1):
+        if not (0 < self.ema_alpha <= 1 and self.power > 0 and 0 <= self.best_floor <= 1
+                and 0 < self.typical_alpha <= 1):
             raise ValueError(f"invalid reward settings: {self}")
 
 
@@ -92,7 +98,8 @@ class ScoreBook:
         alpha = self.config.ema_alpha
         reference = max(best, self.config.best_floor * self.typical_best)
         if best > 0:
-            self.typical_best = best if self.typical_best == 0 else (1 - alpha) * self.typical_best + alpha * best
+            follow = self.config.typical_alpha
+            self.typical_best = best if self.typical_best == 0 else (1 - follow) * self.typical_best + follow * best
         for hotkey, value in scores.items():
             record = self.miners.setdefault(hotkey, MinerScore())
             relative = value / reference if reference > 0 else 0.0
