@@ -19,6 +19,12 @@ every segment as :mod:`template.allreduce.runner` does:
 Reported per peer count, in the same run and the same process group: gloo's float32 ``all_reduce`` (the baseline),
 this data plane's time (slowest rank, from a barrier), their ratio, whether every rank holds bit-identical averages,
 and the max abs error against the exact mean. fp16 only (its averaged segments have a fixed size).
+
+Safety among untrusted peers (``oversize_probe`` in the JSON, always run, ~1 s): gloo matches a message to the
+receive its peer posted and *aborts the receiving process* (``gloo::EnforceNotMet`` thrown on gloo's I/O thread:
+``terminate``, SIGABRT) when the message is longer than the posted buffer. The probe has one rank post a 1 KiB
+receive and the other send 2 KiB, and reports how the receiver exited. In a subnet any groupmate could send that
+message, so this data plane may carry segments only inside a process that a peer is allowed to kill.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +43,7 @@ import torch
 from benchmarks.common import REPO_ROOT, emit, machine_info, median, ratio, setup_logging
 
 DEFAULT_GOAL = 3.0
+PROBE_POSTED_BYTES = 1024
 
 
 def make_tensor(rank: int, repeat: int, size: int) -> torch.Tensor:
@@ -144,6 +152,25 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def probe_main(args: argparse.Namespace) -> None:
+    """One rank of the oversize probe: rank 0 posts a 1 KiB receive, rank 1 sends 2 KiB (what a hostile groupmate
+    can do); rank 0 prints whether it survived (it exits by SIGABRT when gloo aborts it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2)
+    if args.rank == 0:
+        inbox = torch.empty(PROBE_POSTED_BYTES, dtype=torch.uint8)
+        try:
+            dist.irecv(inbox, src=1).wait()
+            outcome = "received"
+        except RuntimeError as err:  # what a safe transport would do: fail this receive, keep the process
+            outcome = f"raised: {err}"
+        print(json.dumps(dict(survived=True, outcome=outcome)), flush=True)
+    else:
+        dist.isend(torch.zeros(2 * PROBE_POSTED_BYTES, dtype=torch.uint8), dst=0).wait()
+        time.sleep(2.0)  # keep the connection open until the receiver has read the message
+
+
 def _all_gather_bytes(dist, data: bytes, world: int) -> list[bytes]:
     """Equal-length byte strings from every rank (no pickling: fixed-size uint8 tensors)."""
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -157,19 +184,20 @@ def _all_gather_leaves(dist, leaves: tuple[bytes, ...], world: int) -> list[list
     return [[blob[i:i + 32] for i in range(0, len(blob), 32)] for blob in joined]
 
 
-def run_world(world: int, args: argparse.Namespace) -> dict:
+def start_ranks(world: int, options: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run ``world`` ranks of this module with ``options``; rank 0's exit status and stdout."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(REPO_ROOT))
-    command = [sys.executable, "-m", "benchmarks.dataplane", "--size", str(args.size), "--repeats", str(args.repeats),
-               "--warmup", str(args.warmup), "--world", str(world), "--port", str(port)]
-    ranks = [subprocess.Popen([*command, "--rank", str(r)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "benchmarks.dataplane", *options, "--world", str(world), "--port", str(port)]
+    ranks = [subprocess.Popen([*command, "--rank", str(r)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL if "--probe-oversize" in options else None, text=True)
              for r in range(world)]
     try:
-        out, _ = ranks[0].communicate(timeout=args.timeout)
+        out, _ = ranks[0].communicate(timeout=timeout)
         for process in ranks[1:]:
             process.wait(timeout=60)
     finally:
@@ -177,8 +205,25 @@ def run_world(world: int, args: argparse.Namespace) -> dict:
             if process.poll() is None:
                 process.kill()
                 process.wait(timeout=10)
-    if ranks[0].returncode != 0:
-        raise RuntimeError(f"rank 0 of {world} exited with {ranks[0].returncode}")
+    return ranks[0].returncode, out
+
+
+def oversize_probe(timeout: float) -> dict:
+    """How the receiving rank ends when its peer sends more than it posted (module docstring)."""
+    returncode, out = start_ranks(2, ["--probe-oversize"], timeout)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    survived = bool(lines) and lines[0].get("survived") is True and returncode == 0
+    return dict(posted_bytes=PROBE_POSTED_BYTES, sent_bytes=2 * PROBE_POSTED_BYTES, receiver_survived=survived,
+                receiver_exit_status=returncode,
+                receiver_signal=signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None,
+                outcome=lines[0].get("outcome") if lines else None)
+
+
+def run_world(world: int, args: argparse.Namespace) -> dict:
+    options = ["--size", str(args.size), "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    returncode, out = start_ranks(world, options, args.timeout)
+    if returncode != 0:
+        raise RuntimeError(f"rank 0 of {world} exited with {returncode}")
     result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     rows = result["rows"]
     gloo, plane = median([r["gloo_s"] for r in rows]), median([r["dataplane_s"] for r in rows])
@@ -199,22 +244,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)  # internal: one rank
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-oversize", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.size = args.size or (300_000 if args.quick else 10_000_000)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     setup_logging()
     if args.rank is not None:
-        rank_main(args)
+        (probe_main if args.probe_oversize else rank_main)(args)
         return
     peers = [int(p) for p in (args.peers or ("2" if args.quick else "2,4")).split(",")]
     machine, started = machine_info(), time.monotonic()
     rows = [run_world(world, args) for world in peers]
+    probe = oversize_probe(args.timeout)
     worst = max(r["dataplane_over_gloo"] for r in rows)
     emit(dict(benchmark="dataplane", quick=args.quick, machine=machine, seconds=time.monotonic() - started,
-              rows=rows, summary=dict(goal_over_gloo=DEFAULT_GOAL, worst_over_gloo=worst,
+              rows=rows, oversize_probe=probe, summary=dict(goal_over_gloo=DEFAULT_GOAL, worst_over_gloo=worst,
                                       goal_met=worst <= DEFAULT_GOAL,
-                                      all_identical=all(r["identical"] for r in rows))))
+                                      all_identical=all(r["identical"] for r in rows),
+                                      safe_among_untrusted_peers=probe["receiver_survived"])))
 
 
 if __name__ == "__main__":
