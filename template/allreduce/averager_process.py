@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 StateProvider = Callable[[], "tuple[dict, Sequence[torch.Tensor]]"]
 SIGNATURE_BYTES = 64  # sr25519
 HELD_SHARES_TTL_REDUCER_TIMEOUTS = 3  # how long (in reducer timeouts) a finished group's shares stay relayable
+DEADLINE_RESERVE_FRACTION = 0.1  # of the all-reduce budget, kept after the runner for the result's copy and report
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         self._buffer, self._signer, self._verify, self._faults = buffer, signer, verify, faults
         self._norm_clip_multiple = norm_clip_multiple
         self._state_provider = state_provider
+        self._allreduce_budget = kwargs["allreduce_timeout"]  # hivemind cancels a group's all-reduce after it
         self._join_limiter = RateLimiter(max_join_requests_per_minute)  # lives in the averager process
         self._download_limiter = RateLimiter(max_state_downloads_per_minute)
         # a member fetches at most one share per owner and round: the join allowance is ample
@@ -216,6 +218,10 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
                                   weight: float, sender_timeout: float, reducer_timeout: float) -> AllReduceReport:
         output, contribution = tensors
         members = parse_group(group_info)
+        # hivemind cancels the whole all-reduce after allreduce_timeout, counted from just before this call: the runner
+        # stops waiting on groupmates a little before, so a complete result is never cancelled with the wait
+        loop = asyncio.get_event_loop()
+        deadline = loop.time() + self._allreduce_budget * (1 - DEADLINE_RESERVE_FRACTION)
         me = members[group_info.peer_ids.index(self.peer_id)]
         runner = CheckedAllReduceRunner(
             p2p=self.p2p,
@@ -232,6 +238,7 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
             clip_multiple=self._norm_clip_multiple,
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
+            deadline=deadline,
             output=self._runner_output,
         )
         self._runner_output = runner.output

@@ -26,7 +26,8 @@ fractions. :class:`CheckedAllReduceRunner`
 What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stall) or misbehaves:
 
 - Nobody waits forever: every stream is bounded by ``sender_timeout`` (a sender's silence) and ``reducer_timeout``
-  (2× that; an owner's silence, and how long an owner stays to serve groupmates that have not fetched its share).
+  (2× that; an owner's silence, and how long an owner stays to serve groupmates that have not fetched its share),
+  and never past ``deadline``: a groupmate that never comes cannot get a complete result cancelled with the wait.
 - A sender that stops sending, or breaks the stream (a bad header, segments out of order), is banned: it is excluded
   from the segments of our range it had not delivered yet; segments that it did deliver keep its contribution.
 - An owner that dies, is silent, replies garbage (not an averaged segment, undecodable, non-finite, wrong count) or
@@ -113,6 +114,7 @@ class CheckedAllReduceRunner:
         clip_multiple: float | None,
         sender_timeout: float,
         reducer_timeout: float,
+        deadline: float | None = None,
         output: torch.Tensor | None = None,
     ):
         self._p2p, self.peer_id = p2p, p2p.peer_id
@@ -123,6 +125,7 @@ class CheckedAllReduceRunner:
         assert len(self.modes) == len(self.ordered_peer_ids) == len(self.peer_fractions) == len(announced_weights)
         self.weight, self.terms, self.own = weight, terms, own
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
+        self.deadline = deadline  # event-loop time: stop waiting on groupmates before hivemind cancels the all-reduce
         self._future = asyncio.Future()
 
         self.sender_peer_ids = [p for p, mode in zip(self.ordered_peer_ids, self.modes, strict=True)
@@ -190,7 +193,7 @@ class CheckedAllReduceRunner:
             await self._recover_missing_shares()
             # stay alive (bounded) until groupmates, auxiliaries included, have fetched this peer's share
             try:
-                await asyncio.wait_for(self._all_served.wait(), timeout=self.reducer_timeout)
+                await asyncio.wait_for(self._all_served.wait(), timeout=self._patience())
             except asyncio.TimeoutError:
                 logger.warning("%s: peers %s did not fetch this peer's share", self, sorted(map(str, self._unserved)))
             self.finalize()
@@ -207,6 +210,12 @@ class CheckedAllReduceRunner:
                     pass
                 except Exception as inner_exc:
                     logger.debug("task %s failed with %r", task, inner_exc, exc_info=True)
+
+    def _patience(self) -> float:
+        """How long one more wait on a groupmate may take: ``reducer_timeout``, cut to what is left of ``deadline``."""
+        if self.deadline is None:
+            return self.reducer_timeout
+        return max(0.0, min(self.reducer_timeout, self.deadline - asyncio.get_event_loop().time()))
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
         self.held.settled = True
@@ -293,15 +302,20 @@ class CheckedAllReduceRunner:
         request = share_message(ShareRequest(owner).pack(), code=averaging_pb2.PART_FOR_AVERAGING)
         request.group_id = self.group_id
         for holder in holders:
+            if (patience := self._patience()) <= 0:
+                logger.info("no time left to fetch owner %d's share", owner)
+                return
             try:
-                stream = await asyncio.wait_for(self._stub(holder).rpc_fetch_share(request), self.reducer_timeout)
-                await self._receive_share(owner, stream)
+                await asyncio.wait_for(self._fetch_share(holder, owner, request), patience)
             except Exception as e:  # this holder cannot help (it misses the share too, left, or lied): next one
                 logger.info("could not fetch owner %d's share from %s: %r", owner, holder, e)
                 continue
             logger.info("fetched owner %d's share from groupmate %s", owner, holder)
             self.evidence.recovered[owner] = str(holder)
             return
+
+    async def _fetch_share(self, holder: PeerID, owner: int, request: averaging_pb2.AveragingData) -> None:
+        await self._receive_share(owner, await self._stub(holder).rpc_fetch_share(request))
 
     async def _communicate_with_owner(self, owner: int, peer_id: PeerID) -> None:
         """Send our segments of ``owner``'s range and register the averages it returns (or serve our own range)."""
