@@ -76,7 +76,15 @@ from benchmarks.common import (
     ratio,
     run_peers,
 )
-from template.allreduce.codecs import SegmentCodec, SparseCodec, SparseSettings, encode_segments, encode_with_feedback
+from template.allreduce.codecs import (
+    SPARSE_MEANS,
+    SegmentCodec,
+    SparseCodec,
+    SparseSettings,
+    encode_segments,
+    encode_with_feedback,
+)
+from template.allreduce.reduction import weighted_mean
 
 log = logging.getLogger("benchmarks.convergence")
 
@@ -165,15 +173,6 @@ def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
     return [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in like]), like, strict=True)]
 
 
-def weighted_mean(decoded: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """The reducer's arithmetic: Σ w_i·x_i / Σ w_i accumulated in float64 in peer order, float32 result."""
-    total = sum(weights)
-    accumulator = torch.zeros(decoded[0].numel(), dtype=torch.float64)
-    for values, weight in zip(decoded, weights, strict=True):
-        accumulator.add_(values, alpha=weight / total)
-    return accumulator.to(torch.float32)
-
-
 @dataclass
 class _Peers:
     """The simulated peers of a DiLoCo arm: replicas, their inner optimizers, residuals and start points."""
@@ -220,7 +219,8 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
             contribution_bytes = sum(len(segment) for segment in segments)
             decoded.append(contribution)
             weights.append(float(stats.tokens))
-        averaged_segments, averaged = encode_segments(codec, weighted_mean(decoded, weights), average=True)
+        mean = weighted_mean(decoded, weights, mean_of_kept=codec.mean_of_kept).to(torch.float32)
+        averaged_segments, averaged = encode_segments(codec, mean, average=True)
         averaged_bytes.append(sum(len(segment) for segment in averaged_segments))
         if arm.overlap == "blocking":
             outer.step(unflatten(averaged, outer.params()))
@@ -335,6 +335,17 @@ def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float
     return result
 
 
+def outer_of(codec: str, given: list[tuple[float, float]]) -> tuple[float, float]:
+    """The outer step of a ``codec`` arm: the first ``--outer`` pair when given, else what the engine uses for that
+    codec (``SPARSE_OUTER`` for sparse, ``OuterConfig()`` for the dense codecs)."""
+    from template.training.outer import SPARSE_OUTER, OuterConfig
+
+    if given:
+        return given[0]
+    default = SPARSE_OUTER if codec == "sparse" else OuterConfig()
+    return default.lr, default.momentum
+
+
 def parse_outer(text: str) -> list[tuple[float, float]]:
     """``"0.7:0.9,1.0:0.5"`` → [(0.7, 0.9), (1.0, 0.5)] (outer lr : Nesterov momentum)."""
     pairs = []
@@ -355,14 +366,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-windows", type=int, default=None, help="held-out windows of the final loss")
     parser.add_argument("--codecs", default="none,fp16,int8",
                         help="DiLoCo arms, one per codec of none,fp16,int8,sparse (first = headline)")
-    parser.add_argument("--outer", default="0.7:0.9",
-                        help="outer lr:momentum pairs; the first is the headline, the others are a sweep (codec none)")
+    parser.add_argument("--outer", default="",
+                        help="outer lr:momentum pairs; the first is every arm's (default: each codec's own, 0.7:0.9 "
+                             "dense, 1.0:0 sparse), the others are a sweep (codec none)")
     defaults = SparseSettings()
     parser.add_argument("--sparse-k", type=int, default=defaults.k, help="entries kept per chunk")
     parser.add_argument("--sparse-chunk", type=int, default=defaults.chunk, help="values per chunk")
     parser.add_argument("--sparse-bits", type=int, default=defaults.bits, help="bits per kept value")
     parser.add_argument("--sparse-quantizer", default=defaults.quantizer, choices=["signmag", "uniform"])
     parser.add_argument("--no-error-feedback", action="store_true", help="sparse senders keep no residual")
+    parser.add_argument("--sparse-mean-of", default=defaults.mean_of, choices=SPARSE_MEANS,
+                        help="an averaged value: over the senders that kept it (kept) or over all senders (all)")
+    parser.add_argument("--sparse-feedback-decay", type=float, default=defaults.feedback_decay,
+                        help="β of the error feedback, e ← β·e + Δ before each encoding (1.0 keeps all)")
     parser.add_argument("--sweep", action="store_true",
                         help=f"sparse k {SWEEP_K} of chunk 4096 × bits {SWEEP_BITS} × error feedback on/off, "
                              "beside diloco_none and diloco_fp16 (replaces --codecs, skips dp and single)")
@@ -381,13 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_arms(args: argparse.Namespace) -> tuple[list[Arm], list[str]]:
     """The arms a command line asks for, and the codecs of the plain ``diloco_<codec>`` arms."""
-    outer = parse_outer(args.outer)
-    lr, momentum = outer[0]
+    outer = parse_outer(args.outer) if args.outer else []
     sparse = SparseSettings(chunk=args.sparse_chunk, k=args.sparse_k, bits=args.sparse_bits,
-                            quantizer=args.sparse_quantizer, error_feedback=not args.no_error_feedback)
+                            quantizer=args.sparse_quantizer, error_feedback=not args.no_error_feedback,
+                            feedback_decay=args.sparse_feedback_decay, mean_of=args.sparse_mean_of)
 
     def diloco(codec: str, name: str = "", overlap: str = "blocking", settings: SparseSettings = sparse) -> Arm:
-        return Arm(name or f"diloco_{codec}", "diloco", codec, lr, momentum,
+        return Arm(name or f"diloco_{codec}", "diloco", codec, *outer_of(codec, outer),
                    settings if codec == "sparse" else None, overlap)
 
     if args.sweep:
@@ -421,10 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         curve_windows=8 if quick else 128,
     )
     arms, codecs = build_arms(args)
-    headline_lr, headline_momentum = parse_outer(args.outer)[0]
+    headline_lr, headline_momentum = outer_of(args.engine_codec, parse_outer(args.outer) if args.outer else [])
     result: dict[str, Any] = dict(benchmark="convergence", machine=machine_info(), quick=quick, engine=args.engine,
                                   settings=dict(asdict(setup), data=data_name(setup.data), codecs=codecs,
-                                                outer=parse_outer(args.outer), sweep=args.sweep,
+                                                outer={c: outer_of(c, parse_outer(args.outer) if args.outer else [])
+                                                       for c in codecs}, sweep=args.sweep,
                                                 overlap=args.overlap, steps_per_worker=setup.steps_per_worker))
     started = time.monotonic()
     arm_results: dict[str, dict] = {}

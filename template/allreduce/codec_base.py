@@ -141,6 +141,8 @@ class SegmentCodec(ABC):
     name: str
     segment_values: int
     error_feedback: bool = False
+    feedback_decay: float = 1.0  # β: a sender's residual counts β× in its next contribution (error_feedback only)
+    mean_of_kept: bool = False  # an owner averages each value over the senders that kept it (nonzero), not all
 
     @property
     def settings(self) -> Any:

@@ -68,7 +68,7 @@ from template.allreduce.codec_base import (
     _check_values,
     all_finite,
 )
-from template.allreduce.sparse_codec import SparseCodec, SparseSettings
+from template.allreduce.sparse_codec import SPARSE_MEANS, SparseCodec, SparseSettings
 
 __all__ = [
     "CODEC_NAMES",
@@ -76,6 +76,7 @@ __all__ = [
     "FP16_MAX",
     "INT8_BLOCK",
     "MAX_SEGMENT_VALUES",
+    "SPARSE_MEANS",
     "CodecError",
     "DenseCodec",
     "Fp16Codec",
@@ -127,9 +128,9 @@ def encode_segments(codec: SegmentCodec, flat: torch.Tensor, average: bool = Fal
 
 def encode_with_feedback(codec: SegmentCodec, values: torch.Tensor,
                          residual: torch.Tensor | None) -> tuple[list[bytes], torch.Tensor, torch.Tensor | None]:
-    """A sender's whole contribution with error feedback: ``target = values + residual``, encoded per segment;
-    returns (segment bytes, decoded, ``target − decoded``). For a codec without feedback the target is ``values``,
-    ``residual`` must be None and so is the returned one.
+    """A sender's whole contribution with error feedback: ``target = values + β·residual`` (β: the codec's
+    ``feedback_decay``), encoded per segment; returns (segment bytes, decoded, ``target − decoded``). For a codec
+    without feedback the target is ``values``, ``residual`` must be None and so is the returned one.
 
     ``residual`` None means zero (the first round). Non-finite values are not hidden here either: they reach the
     bytes (receivers refuse them) and the new residual, so a caller must reset the residual after such a round
@@ -142,6 +143,6 @@ def encode_with_feedback(codec: SegmentCodec, values: torch.Tensor,
         return *encode_segments(codec, values), None
     if residual is not None and residual.shape != values.shape:
         raise CodecError(f"residual of shape {tuple(residual.shape)} for {values.numel()} values")
-    target = values.clone() if residual is None else values + residual
+    target = values.clone() if residual is None else values + codec.feedback_decay * residual
     segments, decoded = encode_segments(codec, target)
     return segments, decoded, target.sub_(decoded)

@@ -10,7 +10,8 @@ Given the contributions that reached the owner for one segment (already checked 
    weight at :data:`WEIGHT_CAP_MULTIPLE` × the lower median of the weights announced at matchmaking
    (:func:`weight_cap`: a peer announcing 1e300 tokens would otherwise set the direction of the average alone);
 3. takes the weighted mean, accumulated in float64 in a fixed order (the senders' order in the group), and encodes
-   it once with the codec's ``encode_average``.
+   it once with the codec's ``encode_average``. For a codec whose ``mean_of_kept`` is set (``sparse`` by default),
+   each value is the mean over the senders that kept it (nonzero) rather than over all of them.
 
 Every step is deterministic, so the same inputs give the same bytes on any machine: the owner sends those bytes to
 every member (all members hold bit-identical Δ̄), and a validator holding every contributor's publication recomputes
@@ -66,6 +67,25 @@ def weight_cap(announced: Sequence[float | None]) -> float:
     return WEIGHT_CAP_MULTIPLE * lower_median(positive) if positive else math.inf
 
 
+def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float], factors: Sequence[float] | None = None,
+                  *, mean_of_kept: bool = False) -> torch.Tensor:
+    """The owner's arithmetic, in float64, accumulated in the given (senders') order: Σ w·f·x / Σ w per value; with
+    ``mean_of_kept``, Σ over the senders whose value there is nonzero (kept by a sparse codec), 0 where none kept it.
+    ``factors`` scale the values (norm clipping), not the weights."""
+    factors = [1.0] * len(values) if factors is None else factors
+    accumulator = torch.zeros(values[0].numel(), dtype=torch.float64)
+    if not mean_of_kept:
+        total = sum(weights)
+        for x, weight, factor in zip(values, weights, factors, strict=True):
+            accumulator.add_(x, alpha=weight * factor / total)  # float32 values promote into the float64 sum
+        return accumulator
+    kept_weight = torch.zeros_like(accumulator)
+    for x, weight, factor in zip(values, weights, factors, strict=True):
+        accumulator.add_(x, alpha=weight * factor)
+        kept_weight.add_((x != 0).to(torch.float64), alpha=weight)
+    return torch.where(kept_weight > 0, accumulator / kept_weight.clamp_min(math.ulp(0.0)), 0.0)
+
+
 def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCodec,
                    announced: Sequence[float | None], clip_multiple: float | None, cap: float) -> ReducedSegment:
     """The owner's rule (module docstring). ``announced[s]`` is sender s's weight from matchmaking (None when its
@@ -98,9 +118,7 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
                 factors[i] = bound / norm
                 clipped.append((valid[i][0], factors[i]))
     total = sum(weight for _, _, weight in valid)
-    accumulator = torch.zeros(numel, dtype=torch.float64)
-    for (_, values, weight), factor in zip(valid, factors, strict=True):
-        accumulator.add_(values, alpha=weight * factor / total)  # float32 values promote into the float64 sum
-    mean = accumulator.to(torch.float32)
+    mean = weighted_mean([v for _, v, _ in valid], [w for _, _, w in valid], factors,
+                         mean_of_kept=codec.mean_of_kept).to(torch.float32)
     return ReducedSegment(codec.encode_average(mean), tuple(s for s, _, _ in valid), total, tuple(dropped),
                           tuple(clipped))

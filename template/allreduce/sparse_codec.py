@@ -36,6 +36,7 @@ from template.allreduce.codec_base import (
 )
 
 SPARSE_QUANTIZERS = ("signmag", "uniform")
+SPARSE_MEANS = ("kept", "all")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,12 @@ class SparseSettings:
       ``L = 2**(bits−1)`` and ``s = absmax/L`` (no level is spent on 0: kept entries are a chunk's largest); or
       ``uniform`` — symmetric levels ``q·s`` for q = −(L−1) … L−1 with ``s = absmax/(L−1)`` (code 2L−1 unused).
     - ``error_feedback``: whether senders keep a residual (the product always does; off only to measure it).
+    - ``feedback_decay``: β in (0, 1] of the error feedback, e ← β·e + Δ before each encoding (SparseLoCo): what
+      waited longer fades instead of arriving rounds late at full size; 1.0 keeps everything.
+    - ``mean_of``: how an owner averages a coordinate. ``kept``: the weighted mean over the senders that kept it (a
+      nonzero value), so a value kept by one sender of four arrives whole, as in Templar's scatter-mean; ``all``:
+      over every sender's weight, zeros included, so it arrives at a quarter (measured: four sparse miners then
+      learned less than one alone — docs/benchmarks.md §7).
     - ``segment_values``: a multiple of ``chunk``; None picks the smallest ``chunk·2**j`` whose encoded segment is
       ≥ 16 KiB (2**20 for the defaults: 29,696 bytes), so a segment's 32-byte digest and 64-byte signature cost
       < 0.6 % of its bytes.
@@ -63,6 +70,8 @@ class SparseSettings:
     bits: int = 2
     quantizer: str = "signmag"
     error_feedback: bool = True
+    feedback_decay: float = 0.95
+    mean_of: str = "kept"
     segment_values: int | None = None
 
     def __post_init__(self) -> None:
@@ -73,6 +82,12 @@ class SparseSettings:
             raise ValueError(f"quantizer must be one of {SPARSE_QUANTIZERS}, got {self.quantizer!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be a bool, got {self.error_feedback!r}")
+        decay = self.feedback_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"feedback_decay must be a number in (0, 1], got {decay!r}")
+        object.__setattr__(self, "feedback_decay", float(decay))
+        if self.mean_of not in SPARSE_MEANS:
+            raise ValueError(f"mean_of must be one of {SPARSE_MEANS}, got {self.mean_of!r}")
         if self.segment_values is None:
             segment = self.chunk
             while self.encoded_size(segment) < SPARSE_TARGET_SEGMENT_BYTES and 2 * segment <= MAX_SEGMENT_VALUES:
@@ -127,6 +142,8 @@ class SparseCodec(SegmentCodec):
             raise ValueError(f"expected SparseSettings, got {type(settings).__name__}")
         self.segment_values = self._settings.segment_values
         self.error_feedback = self._settings.error_feedback
+        self.feedback_decay = self._settings.feedback_decay
+        self.mean_of_kept = self._settings.mean_of == "kept"
         self._levels = 1 << (self._settings.bits - 1)  # L
 
     @property

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from template.allreduce.averager import AveragingConfig
-from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, get_codec
+from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, SparseSettings, get_codec
 from template.training.data import DataConfig
 from template.training.inner import InnerConfig
 from template.training.model import MODEL_PRESETS
-from template.training.outer import OuterConfig
+from template.training.outer import SPARSE_OUTER, OuterConfig
 from template.training.spec import RunSpec
 
 Spelling = Callable[[str, str], str]  # (group, name) -> flag; names read well in both spellings
@@ -57,8 +57,11 @@ def add_run_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> No
     add("init_seed", type=int, default=0, help="seed of θ_0")
     add("lr", type=float, default=InnerConfig.lr, help="inner AdamW peak learning rate")
     add("warmup_steps", type=int, default=InnerConfig.warmup_steps, help="inner learning-rate warmup steps")
-    add("outer_lr", type=float, default=OuterConfig.lr, help="outer Nesterov SGD learning rate")
-    add("outer_momentum", type=float, default=OuterConfig.momentum, help="outer Nesterov momentum")
+    add("outer_lr", type=float, default=None,
+        help=f"outer SGD learning rate (default {OuterConfig.lr}; {SPARSE_OUTER.lr} with the sparse codec)")
+    add("outer_momentum", type=float, default=None,
+        help=f"outer Nesterov momentum, 0 for plain SGD (default {OuterConfig.momentum}; {SPARSE_OUTER.momentum} "
+             "with the sparse codec)")
 
 
 def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> None:
@@ -69,6 +72,11 @@ def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed)
         group.add_argument(flag("averaging", name), dest=f"averaging_{name}", metavar=name.upper(), **kwargs)
 
     add("compression", default="fp16", choices=CODEC_NAMES, help="codec of the pseudo-gradient all-reduce")
+    sparse = SparseSettings()
+    add("sparse_chunk", type=int, default=sparse.chunk,
+        help="sparse codec: values per chunk, the unit of its top-k (every peer of a run must use the same)")
+    add("sparse_k", type=int, default=sparse.k, help="sparse codec: entries each chunk keeps (density k/chunk)")
+    add("sparse_bits", type=int, default=sparse.bits, help="sparse codec: bits per kept value, 2 to 8")
     add("matchmaking_time", type=float, default=AveragingConfig.matchmaking_time,
         help="seconds a group leader waits for peers")
     add("allreduce_timeout", type=float, default=AveragingConfig.allreduce_timeout,
@@ -81,9 +89,18 @@ def run_spec_from(args: argparse.Namespace) -> RunSpec:
     return RunSpec(
         run_id=args.run_id, model=args.run_preset, seq_len=args.run_seq_len, run_seed=args.run_seed,
         init_seed=args.run_init_seed, batch_size=args.run_batch_size, inner_steps=args.run_inner_steps,
-        inner=InnerConfig(lr=args.run_lr, warmup_steps=args.run_warmup_steps),
-        outer=OuterConfig(lr=args.run_outer_lr, momentum=args.run_outer_momentum),
+        inner=InnerConfig(lr=args.run_lr, warmup_steps=args.run_warmup_steps), outer=outer_config_from(args),
     )
+
+
+def outer_config_from(args: argparse.Namespace) -> OuterConfig:
+    """The outer step the flags ask for; an unset one is the codec's default (:data:`SPARSE_OUTER` for sparse)."""
+    default = SPARSE_OUTER if getattr(args, "averaging_compression", None) == "sparse" else OuterConfig()
+    lr = default.lr if args.run_outer_lr is None else args.run_outer_lr
+    momentum = default.momentum if args.run_outer_momentum is None else args.run_outer_momentum
+    if not lr > 0 or not 0 <= momentum < 1:
+        raise ValueError(f"the outer step needs lr > 0 and 0 <= momentum < 1, got lr {lr} and momentum {momentum}")
+    return OuterConfig(lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 def data_config_from(args: argparse.Namespace) -> DataConfig:
@@ -96,20 +113,34 @@ class AveragingFlags:
     """What the all-reduce flags say; :func:`averaging_config` turns them into the averager's configuration."""
 
     compression: str = AveragingConfig.compression
+    sparse_chunk: int = SparseSettings.chunk
+    sparse_k: int = SparseSettings.k
+    sparse_bits: int = SparseSettings.bits
     matchmaking_time: float = AveragingConfig.matchmaking_time
     allreduce_timeout: float = AveragingConfig.allreduce_timeout
     next_chunk_timeout: float = AveragingConfig.next_chunk_timeout
 
 
 def averaging_flags_from(args: argparse.Namespace) -> AveragingFlags:
-    return AveragingFlags(compression=args.averaging_compression, matchmaking_time=args.averaging_matchmaking_time,
+    return AveragingFlags(compression=args.averaging_compression, sparse_chunk=args.averaging_sparse_chunk,
+                          sparse_k=args.averaging_sparse_k, sparse_bits=args.averaging_sparse_bits,
+                          matchmaking_time=args.averaging_matchmaking_time,
                           allreduce_timeout=args.averaging_allreduce_timeout,
                           next_chunk_timeout=args.averaging_next_chunk_timeout)
 
 
 def codec_from(flags: AveragingFlags) -> SegmentCodec:
-    """The codec of ``--averaging.compression`` (every peer of a run must use the same: it is part of the run's
-    identity)."""
+    """The codec of ``--averaging.compression`` with its settings (every peer of a run must use the same: the codec
+    and its settings are part of the run's identity, so a peer with other settings stops at start and says which).
+    ValueError for invalid sparse settings, or sparse settings given to a dense codec (they would do nothing)."""
+    sparse = dict(chunk=flags.sparse_chunk, k=flags.sparse_k, bits=flags.sparse_bits)
+    if flags.compression == "sparse":
+        return get_codec("sparse", **sparse)
+    defaults = SparseSettings()
+    changed = sorted(f"sparse_{name}" for name, value in sparse.items() if value != getattr(defaults, name))
+    if changed:
+        raise ValueError(f"the sparse codec's settings ({', '.join(changed)}) apply only to compression 'sparse', "
+                         f"not {flags.compression!r}")
     return get_codec(flags.compression)
 
 

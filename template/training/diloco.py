@@ -6,7 +6,7 @@ A round reads like the pseudo-code of DESIGN.md §1 (:meth:`DiLoCoPeer.run_round
     θ_local ← θ_r
     the plan's inner AdamW steps on its windows of round r
     Δ  = θ_r − θ_local
-    c  = encode(Δ + e), e ← (Δ + e) − decode(c)                       (once; e: the codec's error feedback, if any)
+    c  = encode(Δ + β·e), e ← (Δ + β·e) − decode(c)               (once; e: the codec's error feedback, if any)
     Δ̄  = all-reduce(c, weight = tokens)                              (committed, checked; never a partial result)
     θ_{r+1} = OuterNesterov(θ_r, Δ̄)
 
@@ -270,16 +270,22 @@ class DiLoCoPeer:
         return encode_contribution(self.codec, torch.cat([t.detach().reshape(-1) for t in tensors]).cpu())
 
     @property
+    def feedback_norm(self) -> float | None:
+        """The L2 norm of the error feedback this peer will add to its next contribution (None: its codec keeps
+        none). Zero after adopting a peer's state: what it had not sent belongs to the state it left behind."""
+        return float(self.residual.norm()) if self.residual.numel() else None
+
+    @property
     def contribution_nbytes(self) -> int:
         """The exact byte size of every contribution (and publication) of this run."""
         return sum(encoded_sizes(self.codec, sum(p.numel() for p in self.model.parameters())))
 
     def _encode(self, tensors: Tensors) -> EncodedContribution:
         """Encode what enters the all-reduce, once; with error feedback, what the codec left out waits for the next
-        round (e ← (x + e) − decode(encode(x + e)))."""
+        round, fading by the codec's β (e ← (x + β·e) − decode(encode(x + β·e)))."""
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
         if self.residual.numel():
-            flat = flat + self.residual
+            flat = flat + self.codec.feedback_decay * self.residual
         contribution = self.averager.contribute(flat)
         if self.residual.numel():
             self.residual = flat - contribution.decoded

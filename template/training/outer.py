@@ -30,6 +30,12 @@ class OuterConfig:
             raise ValueError("Nesterov needs momentum > 0; pass nesterov=False for plain SGD")
 
 
+# The outer step of a sparse run: plain SGD at lr 1.0. Values a sender kept arrive whole (the sparse codec's
+# ``mean_of="kept"``) and what it left waits in its decaying error feedback, which stands in for the outer momentum
+# (SparseLoCo); Nesterov 0.9 on top overshot and diverged (docs/benchmarks.md §7).
+SPARSE_OUTER = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)
+
+
 class OuterOptimizer:
     """Holds θ_r as CPU float32 tensors in ``model.parameters()`` order, with ``torch.optim.SGD`` over them."""
 

@@ -29,6 +29,7 @@ from template.training.cli import (
     add_run_args,
     averaging_config,
     averaging_flags_from,
+    codec_from,
     data_config_from,
     run_spec_from,
 )
@@ -94,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             dht = start_dht(DHTConfig(host_maddrs=[args.host_maddr], initial_peers=list(args.initial_peers),
                                       announce_maddrs=[args.announce_maddr] if args.announce_maddr else []))
             emit(node, "listening", peer_key=args.peer_key, maddrs=visible_maddrs(dht))
-        averaging = averaging_config(averaging_flags_from(args), args.expected_peers)
+        flags = averaging_flags_from(args)
+        averaging = averaging_config(flags, args.expected_peers)
         peer = DiLoCoPeer(
             spec, corpus, tokenizer.vocab_size, peer_key=args.peer_key, dht=dht, averaging=averaging,
+            codec=codec_from(flags),
             device=args.device, checkpoint_dir=args.checkpoint_dir, node=node, heldout_batches=args.heldout_batches,
             on_progress=lambda p: emit(node, "progress", peer_key=args.peer_key, **asdict(p)),
         )
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             peer.wait_for_peers(args.expected_peers, args.join_timeout)
         emit(node, "ready", peer_key=args.peer_key, maddrs=visible_maddrs(dht) if dht else [], restored=source,
              round=peer.round, fingerprint=peer.fingerprint, params=sum(p.numel() for p in peer.model.parameters()),
-             windows=corpus.num_windows)
+             windows=corpus.num_windows, feedback_norm=peer.feedback_norm)
         while peer.round < args.rounds:
             outcome = peer.run_round(peer.plan())
             emit(node, "round", peer_key=args.peer_key, **asdict(outcome.report))

@@ -61,7 +61,9 @@ def test_three_peers_train_in_lockstep_and_heldout_loss_falls(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_killed_peer_does_not_stop_the_others_and_rejoins_from_their_state(tmp_path):
-    common = ["--rounds", "7", "--inner-steps", "15", "--matchmaking-time", "6", "--expected-peers", "3", *FAST]
+    """With the sparse codec, whose error feedback is state of its own: the rejoining peer starts it from zero."""
+    common = ["--rounds", "7", "--inner-steps", "15", "--matchmaking-time", "6", "--expected-peers", "3", *FAST,
+              "--compression", "sparse"]
     events: queue.Queue = queue.Queue()
     seen: list[dict] = []
 
@@ -95,6 +97,7 @@ def test_a_killed_peer_does_not_stop_the_others_and_rejoins_from_their_state(tmp
         peers["p2"] = PeerProcess("p2", restart_flags, tmp_path, _env(), events)
         ready = until(lambda e: e["event"] == "ready" and e["peer_key"] == "p2", 180)
         assert ready["restored"].startswith("peer state") and ready["round"] > killed_at_round, ready
+        assert ready["feedback_norm"] == 0.0, ready  # what it had not sent belongs to the state it left behind
         finished: set[str] = set()
 
         def all_finished(event: dict) -> bool:
@@ -171,9 +174,12 @@ def test_a_peer_with_other_settings_fails_fast_and_says_what_differs(tmp_path):
     events: queue.Queue = queue.Queue()
     first = other = None
     try:
-        first = PeerProcess("first", ["--rounds", "1", "--expected-peers", "2", *FAST], tmp_path, _env(), events)
+        sparse = ["--compression", "sparse"]
+        first = PeerProcess("first", ["--rounds", "1", "--expected-peers", "2", *FAST, *sparse], tmp_path, _env(),
+                            events)
         maddrs = wait_for_event(events, lambda e: e["event"] == "listening", 120)["maddrs"]
-        mismatched = [*FAST, "--seq-len", "32", "--rounds", "1", "--initial-peers", *maddrs]
+        mismatched = [*FAST, *sparse, "--sparse-k", "128", "--seq-len", "32", "--rounds", "1", "--initial-peers",
+                      *maddrs]
         other = PeerProcess("other", mismatched, tmp_path, _env(), events)
         error = wait_for_event(events, lambda e: e["peer_key"] == "other" and e["event"] in ("error", "ready"), 180)
         assert other.process.wait(timeout=60) == 2
@@ -183,3 +189,4 @@ def test_a_peer_with_other_settings_fails_fast_and_says_what_differs(tmp_path):
                 process.stop()
     assert error["event"] == "error" and "RunMismatchError" in error["error"]
     assert "seq_len: ours=32 theirs=64" in error["error"]
+    assert 'codec: ours="sparse/' in error["error"] and "k=128" in error["error"] and "k=64" in error["error"]

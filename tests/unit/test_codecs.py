@@ -349,10 +349,29 @@ def feedback_error(codec, rounds: int) -> list[float]:
 
 
 def test_error_feedback_makes_the_received_sum_converge_to_the_sent_sum():
-    with_feedback = feedback_error(get_codec("sparse", chunk=64, k=2, bits=2, segment_values=512), 400)
+    keep_all = dict(chunk=64, k=2, bits=2, segment_values=512, feedback_decay=1.0)
+    with_feedback = feedback_error(get_codec("sparse", **keep_all), 400)
     without = feedback_error(get_codec("sparse", chunk=64, k=2, bits=2, segment_values=512, error_feedback=False), 400)
     assert with_feedback[-1] < 0.05 and with_feedback[-1] < with_feedback[49] / 4
     assert without[-1] > 0.8  # 3 % of the entries, 2 bits: without the residual most of x is never sent
+
+
+def test_feedback_decay_fades_what_waited_and_bounds_the_residual():
+    """e ← β·e + Δ: the residual counts β× in the next target, and under a constant Δ it stays below ‖Δ‖/(1−β)
+    where β = 1 lets it grow with every round that does not send it."""
+    x = gaussian(2048, seed=7)
+    codec = get_codec("sparse", chunk=64, k=2, bits=2, segment_values=512, feedback_decay=0.5)
+    residual = gaussian(2048, seed=8)
+    _, decoded, new_residual = encode_with_feedback(codec, x, residual)
+    assert torch.equal(new_residual, (x + 0.5 * residual) - decoded)
+    norms = {}
+    for decay in (0.5, 0.95, 1.0):
+        codec = get_codec("sparse", chunk=64, k=2, bits=2, segment_values=512, feedback_decay=decay)
+        residual = None
+        for _ in range(200):
+            _, _, residual = encode_with_feedback(codec, x, residual)
+        norms[decay] = float(residual.norm() / x.norm())
+    assert norms[0.5] < 2.0 and norms[0.95] < 20.0 and norms[1.0] > norms[0.95] > norms[0.5]
 
 
 def test_encode_with_feedback_cuts_segments_like_the_engine():
@@ -361,7 +380,7 @@ def test_encode_with_feedback_cuts_segments_like_the_engine():
     segments, decoded, new_residual = encode_with_feedback(codec, x, residual)
     assert [len(s) for s in segments] == [codec.encoded_size(256)] * 3 + [codec.encoded_size(232)]
     expected = torch.cat([codec.decode(s, n) for s, n in zip(segments, (256, 256, 256, 232), strict=True)])
-    assert torch.equal(decoded, expected) and torch.equal(new_residual, (x + residual) - decoded)
+    assert torch.equal(decoded, expected) and torch.equal(new_residual, (x + codec.feedback_decay * residual) - decoded)
     dense = get_codec("fp16", segment_values=300)
     segments, decoded, none = encode_with_feedback(dense, x, None)
     assert none is None and len(segments) == 4 and torch.equal(decoded, x.half().float())
@@ -380,7 +399,8 @@ def test_settings_validate_and_serialize():
     assert SparseSettings.from_dict(s.to_dict()) == s and hash(s) == hash(SparseSettings.from_dict(s.to_dict()))
     assert get_codec("sparse", **s.to_dict()).settings == s
     for bad in (dict(chunk=1), dict(chunk=1 << 16), dict(k=0), dict(k=5000), dict(bits=1), dict(bits=9),
-                dict(quantizer="log"), dict(segment_values=4097), dict(error_feedback=1), dict(k=2.0)):
+                dict(quantizer="log"), dict(segment_values=4097), dict(error_feedback=1), dict(k=2.0),
+                dict(feedback_decay=0.0), dict(feedback_decay=1.5), dict(feedback_decay=True), dict(mean_of="median")):
         with pytest.raises(ValueError):
             SparseSettings(**bad)
     with pytest.raises(ValueError):

@@ -107,3 +107,27 @@ def test_the_owners_rule_is_deterministic_and_checks_what_it_is_given():
     assert dropped.included == (1, 2) and "announced" in dropped.dropped[0][1]
     garbage = [SegmentInput(0, b"junk", 10.0), *inputs[1:]]
     assert reduce_segment(garbage, 100, codec, announced, 3.0, weight_cap(announced)).included == (1, 2)
+
+
+@pytest.mark.parametrize("mean_of", ["kept", "all"])
+def test_a_sparse_owner_averages_each_value_over_the_senders_that_kept_it(mean_of):
+    """``kept``: a value one sender of four kept arrives whole, one that two kept is their weighted mean; ``all``: every
+    sender's weight counts, so a lone value arrives at its weight's share (docs/benchmarks.md §7)."""
+    codec = get_codec("sparse", chunk=8, k=1, bits=8, segment_values=16, mean_of=mean_of)
+    rows = torch.zeros(4, 16)
+    rows[0, 1], rows[1, 1] = 2.0, 4.0  # chunk 0: senders 0 and 1 keep value 1
+    rows[2, 3] = 8.0  # chunk 0: sender 2 keeps value 3
+    rows[3, 0] = -1.0  # chunk 0: sender 3 keeps value 0
+    rows[:, 8 + torch.arange(4)] = torch.eye(4) * 5.0  # chunk 1: each sender keeps another value
+    weights = [1.0, 3.0, 2.0, 2.0]
+    inputs = [SegmentInput(i, codec.encode(row), w) for i, (row, w) in enumerate(zip(rows, weights, strict=True))]
+    reduced = reduce_segment(inputs, 16, codec, weights, None, weight_cap(weights))
+    averaged = codec.decode_average(reduced.data, 16)
+    if mean_of == "kept":
+        expected = {1: (1 * 2.0 + 3 * 4.0) / 4, 3: 8.0, 0: -1.0, 8: 5.0, 9: 5.0, 10: 5.0, 11: 5.0}
+    else:
+        expected = {1: (1 * 2.0 + 3 * 4.0) / 8, 3: 2 * 8.0 / 8, 0: -2 * 1.0 / 8, 8: 5.0 / 8, 9: 15.0 / 8, 10: 10.0 / 8,
+                    11: 10.0 / 8}
+    assert {i: float(v) for i, v in enumerate(averaged) if v != 0} == pytest.approx(expected, rel=1e-3)
+    again = reduce_segment(list(reversed(inputs)), 16, codec, weights, None, weight_cap(weights))
+    assert again.data == reduced.data  # deterministic: the senders' order, whatever order the inputs came in

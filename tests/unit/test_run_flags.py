@@ -1,0 +1,46 @@
+"""The run and all-reduce flags: the sparse codec's settings and the outer step each codec defaults to."""
+
+from __future__ import annotations
+
+import pytest
+
+from template.allreduce.codecs import SparseSettings
+from template.allreduce.contribution import codec_descriptor
+from template.training.cli import averaging_flags_from, codec_from, run_spec_from
+from template.training.outer import SPARSE_OUTER, OuterConfig
+from template.training.peer import build_parser
+
+
+def parse(*flags: str):
+    return build_parser().parse_args(["--peer-key", "p0", *flags])
+
+
+def codec_of(*flags: str):
+    return codec_from(averaging_flags_from(parse(*flags)))
+
+
+def test_the_sparse_settings_come_from_the_flags_and_change_the_run_identity():
+    codec = codec_of("--compression", "sparse", "--sparse-chunk", "2048", "--sparse-k", "128", "--sparse-bits", "4")
+    assert codec.settings == SparseSettings(chunk=2048, k=128, bits=4)
+    assert codec_of("--compression", "sparse").settings == SparseSettings()
+    # the descriptor is part of the run identity that peers compare at start (RunMismatchError names it)
+    assert codec_descriptor(codec) != codec_descriptor(codec_of("--compression", "sparse"))
+
+
+def test_sparse_settings_for_a_dense_codec_or_invalid_ones_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="sparse_k.*only to compression 'sparse'"):
+        codec_of("--sparse-k", "128")
+    with pytest.raises(ValueError, match="bits"):
+        codec_of("--compression", "sparse", "--sparse-bits", "1")
+    with pytest.raises(ValueError, match="k must be"):
+        codec_of("--compression", "sparse", "--sparse-k", "5000")
+
+
+def test_the_outer_step_defaults_to_the_codecs_and_zero_momentum_is_plain_sgd():
+    assert run_spec_from(parse()).outer == OuterConfig()
+    assert run_spec_from(parse("--compression", "sparse")).outer == SPARSE_OUTER
+    assert run_spec_from(parse("--compression", "sparse", "--outer-momentum", "0.5")).outer == OuterConfig(1.0, 0.5)
+    assert run_spec_from(parse("--outer-momentum", "0")).outer == OuterConfig(0.7, 0.0, nesterov=False)
+    for bad in (("--outer-lr", "0"), ("--outer-momentum", "1.0"), ("--outer-momentum", "-0.1")):
+        with pytest.raises(ValueError, match="outer step"):
+            run_spec_from(parse(*bad))
