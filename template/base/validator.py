@@ -216,7 +216,9 @@ class Validator:
         self.book.save(self.book_path)
         self.scorer.save_history(self.history_path)
         self.rounds_scored += 1
-        self._report_scores(pending.round, verdicts, scores, binding, paid, time.monotonic() - started, fetch_s)
+        fetched_bytes = {h: len(f.payload) for h, f in publications.items() if not isinstance(f, str)}
+        self._report_scores(pending.round, verdicts, scores, binding, paid, time.monotonic() - started, fetch_s,
+                            fetched_bytes)
         if self.rounds_scored % max(1, self.settings.weights_every) == 0:
             self._set_weights(pending.round, directory)
 
@@ -333,15 +335,17 @@ class Validator:
     # ------------------------------------------------------------------------------------------ reporting
 
     def _report_scores(self, round: int, verdicts: list[Verdict], scores: dict[str, float], binding: set[str],
-                       paid: bool, seconds: float, fetch_s: float) -> None:
+                       paid: bool, seconds: float, fetch_s: float, fetched_bytes: dict[str, int]) -> None:
         """One ``scored`` event, wandb scalars and a log line per miner; ``binding`` are the miners whose reason
-        rests on their own signatures (publication ≠ contribution, convicted by the all-reduce)."""
+        rests on their own signatures (publication ≠ contribution, convicted by the all-reduce); ``fetched_bytes``
+        the payload bytes fetched per miner (the codec's exact contribution size; 0 when the fetch failed)."""
         rows = []
         for v in verdicts:
             record = self.book.miners.get(v.hotkey)
             rows.append(dict(uid=v.uid, hotkey=v.hotkey, score=scores.get(v.hotkey, 0.0), quality=v.quality,
                              ema=record.ema if record else 0.0, reason=v.reason, binding=v.hotkey in binding,
                              coverage=v.coverage, share=v.share, norm=v.norm,
+                             fetched_bytes=fetched_bytes.get(v.hotkey, 0),
                              gain=v.gains.gain if v.gains else None,
                              credit=v.gains.credit if v.gains else None,
                              credit_se=v.gains.credit_se if v.gains else None,

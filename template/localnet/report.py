@@ -122,8 +122,8 @@ def _last(events: list[dict], kind: str) -> dict | None:
 
 
 def neuron_rows(neurons: list[NeuronInfo], events: dict[str, list[dict]], chain: ChainSnapshot) -> list[dict]:
-    """One row per neuron: its last score from the validators' ``scored`` events, its weight (the mean of the
-    validators' on-chain rows), incentive and emission from the chain."""
+    """One row per neuron: its last score from the validators' ``scored`` events (with the bytes a validator fetched
+    to score it), its weight (the mean of the validators' on-chain rows), incentive and emission from the chain."""
     validators = [n for n in neurons if n.role == "validator"]
     scores: dict[int, dict] = {}
     for validator in validators:
@@ -136,7 +136,7 @@ def neuron_rows(neurons: list[NeuronInfo], events: dict[str, list[dict]], chain:
         score = scores.get(neuron.uid, {})
         rows.append(dict(
             uid=neuron.uid, name=neuron.name, hotkey=neuron.hotkey, role=neuron.role, behaviour=neuron.behaviour,
-            score=score.get("score"), ema=score.get("ema"),
+            score=score.get("score"), ema=score.get("ema"), fetched_bytes=score.get("fetched_bytes"),
             weight=_mean(row_weights) if neuron.role == "miner" else None,
             incentive=chain.incentive.get(neuron.uid, 0.0), emission=chain.emission.get(neuron.uid, 0.0),
         ))
@@ -282,7 +282,8 @@ def render_html(report: dict[str, Any]) -> str:
     run = html.escape(json.dumps(report["run"], indent=1))
     round_columns = ["round", "heldout_loss", "loss", "group_size", "allreduce_s", "bytes_per_peer", "miners",
                      "allreduce_ok", "theta_hashes"]
-    neuron_columns = ["uid", "name", "role", "behaviour", "score", "ema", "weight", "incentive", "emission", "hotkey"]
+    neuron_columns = ["uid", "name", "role", "behaviour", "score", "ema", "fetched_bytes", "weight", "incentive",
+                      "emission", "hotkey"]
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>Local network report: {verdict}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;margin-bottom:1.5em}}

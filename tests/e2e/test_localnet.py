@@ -17,7 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from template.allreduce.codecs import get_codec
+from template.allreduce.contribution import encoded_sizes
 from template.localnet import RUN_MARKER_ENV
+from template.training.data import ByteTokenizer
+from template.training.model import build_model, count_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,6 +53,12 @@ def assert_nothing_left(out: Path) -> None:
     assert not left, left
 
 
+def contribution_bytes(codec: str) -> int:
+    """The exact bytes of one miner's contribution (and publication) of the tiny model with ``codec``'s defaults."""
+    numel = count_parameters(build_model("tiny", ByteTokenizer.vocab_size, 64))
+    return sum(encoded_sizes(get_codec(codec), numel))
+
+
 def first_round_reported(out: Path) -> bool:
     for events in out.glob("miner*.events"):
         if any(json.loads(line).get("event") == "round" for line in events.read_text().splitlines() if line.strip()):
@@ -78,6 +88,8 @@ def test_two_miners_and_a_validator_train_set_weights_and_pass_the_checks(tmp_pa
     assert all(row["hotkey"].startswith("5") for row in neurons)
     assert any(row["incentive"] > 0 and row["weight"] > 0 for row in neurons if row["role"] == "miner")
     assert report["weights_set"] and any(entry["ok"] for entry in report["weights_set"])
+    # the validator fetched each miner's whole contribution: fp16, two bytes per parameter
+    assert [row["fetched_bytes"] for row in neurons if row["role"] == "miner"] == [contribution_bytes("fp16")] * 2
 
     for name in ("loss.png", "weights.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
@@ -87,6 +99,30 @@ def test_two_miners_and_a_validator_train_set_weights_and_pass_the_checks(tmp_pa
         assert (out / f"{name}.log").stat().st_size > 0
     assert "round" in output and "PASSED" in done.stdout and str(out / "report.html") in done.stdout
     print(f"local network e2e: {time.monotonic() - started:.0f}s")
+
+
+@pytest.mark.timeout(600)
+def test_a_sparse_network_trains_scores_and_fetches_a_fiftieth_of_fp16(tmp_path):
+    """``--compression sparse``: the same checks pass, θ is identical on every miner each round, and the validator
+    scores publications that are the sparse contributions (their exact size, under 1/50 of fp16's)."""
+    out = tmp_path / "run"
+    done = subprocess.run(localnet(out, "--compression", "sparse"), cwd=REPO, capture_output=True, text=True,
+                          timeout=560)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert_nothing_left(out)
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is True and all(report["checks"].values()), report["checks"]
+    assert all(len(row["theta_hashes"]) == 1 and row["allreduce_ok"] == row["miners"] == 2 for row in report["rounds"])
+    miners = [row for row in report["neurons"] if row["role"] == "miner"]
+    sparse = contribution_bytes("sparse")
+    assert [row["fetched_bytes"] for row in miners] == [sparse] * 2 and sparse < contribution_bytes("fp16") / 50
+    assert any(row["incentive"] > 0 and row["weight"] > 0 for row in miners)
+    # an honest sparse miner is never refused (its contribution carries error feedback: docs/validation.md)
+    scored = [event for event in map(json.loads, (out / "validator.events").read_text().splitlines())
+              if event["event"] == "scored"]
+    rows = [row for event in scored for row in event["miners"]]
+    assert len(rows) >= 2 and all(row["reason"] == "" for row in rows), rows
+    assert any(event["paid"] and any(row["score"] > 0 for row in event["miners"]) for event in scored), scored
 
 
 @pytest.mark.timeout(400)

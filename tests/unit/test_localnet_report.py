@@ -50,7 +50,7 @@ def healthy_events() -> dict[str, list[dict]]:
         "validator": [
             dict(event="scored", time=1.0, round=5, miners=[dict(uid=1, score=0.1, ema=0.1)]),
             dict(event="weights", time=2.0, round=6, block=150, ok=False, weights={}, error="no positive score"),
-            dict(event="scored", time=3.0, round=6, miners=[dict(uid=1, score=0.4, ema=0.3),
+            dict(event="scored", time=3.0, round=6, miners=[dict(uid=1, score=0.4, ema=0.3, fetched_bytes=1234),
                                                             dict(uid=2, score=0.5, ema=0.35),
                                                             dict(uid=3, score=0.0, ema=0.0)]),
             dict(event="weights", time=4.0, round=6, block=170, ok=True, weights={"1": 0.45, "2": 0.55}, error=""),
@@ -92,6 +92,7 @@ def test_neuron_rows_take_scores_from_the_last_scored_event_and_the_rest_from_th
     assert [rows[uid]["role"] for uid in range(4)] == ["validator", "miner", "miner", "miner"]
     assert rows[3]["behaviour"] == "copycat" and rows[0]["behaviour"] is None
     assert rows[1]["score"] == 0.4 and rows[1]["ema"] == 0.3 and rows[0]["score"] is None
+    assert rows[1]["fetched_bytes"] == 1234 and rows[2]["fetched_bytes"] is None  # older events lack the field
     assert rows[2]["weight"] == 0.55 and rows[3]["weight"] == 0.0 and rows[0]["weight"] is None
     assert rows[2]["incentive"] == 0.55 and rows[2]["emission"] == 2.75 and rows[0]["emission"] == 5.0
     assert rows[1]["hotkey"] == "5Mi1" and rows[1]["name"] == "miner1"
