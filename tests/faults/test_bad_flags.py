@@ -46,6 +46,9 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                    "unknown network 'mars'"),
         "miner: unknown behaviour": (MINER + ["--netuid", "1", *wallet, "--miner.behaviour", "nonsense"],
                                      "unknown behaviour 'nonsense'"),
+        "miner: sparse settings for fp16": (MINER + ["--netuid", "1", *wallet, "--averaging.sparse_k", "128"],
+                                            "sparse codec's settings (sparse_k) apply only to compression 'sparse'"),
+        "peer: outer momentum 1": (PEER + ["--outer-momentum", "1"], "the outer step needs lr > 0 and 0 <= momentum"),
     }
 
 
