@@ -1,6 +1,6 @@
 """Codec speed and size: encode + decode of a whole model's pseudo-gradient on ONE CPU core, per segment codec.
 
-``python -m benchmarks.codec_speed [--quick] [--values 1100000000] [--slice 134217728] [--peers 4]``
+``python -m benchmarks.codec_speed [--quick] [--values 1100000000] [--slice 134217728] [--peers 4] [--round-peers 8]``
 
 What it measures, for each codec of ``template.allreduce.codecs`` with its default settings (``torch.set_num_threads
 (1)``):
@@ -19,6 +19,11 @@ What it measures, for each codec of ``template.allreduce.codecs`` with its defau
 - **Butterfly traffic per peer and round** (sent; received is the same): (N−1)/N × contribution + (N−1)/N × averaged
   bytes (a peer sends (N−1)/N of its contribution to the other owners and serves its 1/N share of the averaged
   segments to the N−1 others).
+- **One round of one peer** at ``--round-peers`` N (default 8): it encodes its contribution and decodes it (the
+  engine keeps the decoded vector: the error feedback's residual), reduces its 1/N share of the segments from N
+  contributions with the owner's rule (:func:`template.allreduce.reduction.reduce_segment`: decode, norms, the
+  float64 mean, ``encode_average``; timed on N independent contributions of a 1/N slice), and decodes every averaged
+  segment. Reported per operation and in total, scaled to ``--values``, beside fp16's in the same run.
 - **Crossover N** where the sparse sum stops being smaller than dense fp16: analytic for disjoint supports (the worst
   case, N·k nonzeros per chunk) and for independent uniformly placed supports (1 − (1 − k/chunk)^N of a chunk),
   and measured on independent contributions.
@@ -35,6 +40,7 @@ import torch
 
 from benchmarks.common import benchmark_parser, emit, machine_info, parse_benchmark_args
 from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, SparseCodec, encode_segments, get_codec
+from template.allreduce.reduction import SegmentInput, reduce_segment, weight_cap
 
 
 def timed(repeats: int, function, *args) -> tuple[Any, float]:
@@ -104,6 +110,33 @@ def speed(codec: SegmentCodec, values: torch.Tensor, total: int, peers: int, rep
     return row
 
 
+def reduce_share(codec: SegmentCodec, numel: int, peers: int, repeats: int) -> float:
+    """Seconds an owner spends on the owner's rule for ``numel`` values of ``peers`` independent contributions."""
+    encoded = [encode_segments(codec, v)[0] for v in contributions(peers, numel, seed=3)]
+    weights = [1.0] * peers
+    cap = weight_cap(weights)
+
+    def run() -> None:
+        for index in range(len(encoded[0])):
+            start = index * codec.segment_values
+            inputs = [SegmentInput(s, encoded[s][index], 1.0) for s in range(peers)]
+            reduce_segment(inputs, min(codec.segment_values, numel - start), codec, weights, 3.0, cap)
+
+    return timed(repeats, run)[1]
+
+
+def round_cost(row: dict[str, Any], codec: SegmentCodec, slice_values: int, total: int, peers: int,
+               repeats: int) -> dict[str, Any]:
+    """One peer's codec work in one round at ``peers`` N, scaled to ``total`` values (module docstring)."""
+    share = max(codec.segment_values, slice_values // peers)
+    per_value = row["ns_per_value"]
+    seconds = dict(encode=per_value["encode"] * total / 1e9, decode_own=per_value["decode"] * total / 1e9,
+                   reduce_share=reduce_share(codec, share, peers, repeats) * (total / peers) / share,
+                   decode_average=per_value["decode_average"] * total / 1e9)
+    return dict(peers=peers, seconds_at_total=seconds, total_s=sum(seconds.values()),
+                dominated_by=max(seconds, key=seconds.get))
+
+
 def crossover(codec: SparseCodec, max_peers: int) -> dict[str, Any]:
     """The smallest N at which the averaged segment falls back to dense fp16 (the sparse sum is no smaller)."""
     s = codec.settings
@@ -135,12 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice", type=int, default=None, help="values actually encoded (default 2**27)")
     parser.add_argument("--peers", type=int, default=4, help="N of the averaged-segment size")
     parser.add_argument("--crossover-peers", type=int, default=None, help="most peers tried for the crossover")
+    parser.add_argument("--round-peers", type=int, default=8, help="N of the one-round cost (encode, reduce, decode)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each operation; the fastest counts")
     args = parse_benchmark_args(parser, argv, slice=(2**27, 2**21), crossover_peers=(64, 8))
     torch.set_num_threads(1)
     values = contributions(1, args.slice, seed=0)[0]
     started = time.monotonic()
     rows = [speed(get_codec(name), values, args.values, args.peers, args.repeats) for name in CODEC_NAMES]
+    for row, name in zip(rows, CODEC_NAMES, strict=True):
+        row["round"] = round_cost(row, get_codec(name), args.slice, args.values, args.round_peers, args.repeats)
+    fp16 = next(row["round"]["total_s"] for row in rows if row["codec"] == "fp16")
+    for row in rows:
+        row["round"]["over_fp16"] = row["round"]["total_s"] / fp16
     result: dict[str, Any] = dict(
         benchmark="codec_speed", machine=machine_info(), quick=args.quick,
         settings=dict(values=args.values, slice=args.slice, peers=args.peers, torch_threads=1, repeats=args.repeats,

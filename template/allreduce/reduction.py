@@ -82,7 +82,7 @@ def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float], fact
     kept_weight = torch.zeros_like(accumulator)
     for x, weight, factor in zip(values, weights, factors, strict=True):
         accumulator.add_(x, alpha=weight * factor)
-        kept_weight.add_((x != 0).to(torch.float64), alpha=weight)
+        kept_weight.add_(x.ne(0), alpha=weight)  # a bool tensor promotes into the float64 sum
     return torch.where(kept_weight > 0, accumulator / kept_weight.clamp_min(math.ulp(0.0)), 0.0)
 
 

@@ -199,3 +199,10 @@ def test_codec_speed_quick(outputs):
         assert row["butterfly_bits_per_param_sent"] == pytest.approx(expected, rel=1e-6), row
     assert codecs["none"]["contribution_bits_per_param"] == 32 and codecs["fp16"]["contribution_bits_per_param"] == 16
     assert codecs["sparse"]["butterfly_bits_per_param_sent"] <= 2.0  # issue 13: ≤ 2 bits per parameter per round
+    for row in codecs.values():  # one peer's round at N = 8: its parts, their sum, the largest, the ratio to fp16's
+        cost = row["round"]
+        parts = cost["seconds_at_total"]
+        assert cost["peers"] == 8 and set(parts) == {"encode", "decode_own", "reduce_share", "decode_average"}
+        assert all(finite(s) and s > 0 for s in parts.values()) and cost["dominated_by"] == max(parts, key=parts.get)
+        assert cost["total_s"] == pytest.approx(sum(parts.values()))
+        assert cost["over_fp16"] == pytest.approx(cost["total_s"] / codecs["fp16"]["round"]["total_s"])
