@@ -128,6 +128,12 @@ class Arm:
     sparse: SparseSettings | None = None  # the settings of a "sparse" arm
     overlap: str = "blocking"  # one of OVERLAP_MODES (module docstring)
 
+    def outer_config(self):
+        """The outer step of this arm (plain SGD when its momentum is 0)."""
+        from template.training.outer import OuterConfig
+
+        return OuterConfig(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+
     def build_codec(self) -> SegmentCodec:
         from template.allreduce.codecs import get_codec
 
@@ -196,12 +202,11 @@ def _stepped(outer, delta: torch.Tensor, model: torch.nn.Module) -> torch.Tensor
 def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
     """One DiLoCo arm (module docstring): returns the final model, its curve and the bytes it sent."""
     from template.training.inner import InnerConfig, InnerTrainer
-    from template.training.outer import OuterConfig, OuterOptimizer
+    from template.training.outer import OuterOptimizer
 
     codec = arm.build_codec()
     models = [data.build_model() for _ in range(setup.workers)]
-    outer = OuterOptimizer(models[0], OuterConfig(lr=arm.outer_lr, momentum=arm.outer_momentum,
-                                                  nesterov=arm.outer_momentum > 0))
+    outer = OuterOptimizer(models[0], arm.outer_config())
     theta_0 = flatten(outer.params())
     peers = _Peers(models, [InnerTrainer(model, InnerConfig(), "cpu") for model in models],
                    [None] * setup.workers, [theta_0] * setup.workers)
@@ -305,7 +310,7 @@ def run_arm(setup: Setup, arm: Arm) -> dict[str, Any]:
 def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float) -> dict[str, Any]:
     """The same DiLoCo run through the real engine (peer processes, hivemind all-reduce); evaluate peer 0's θ."""
     from template.training.checkpoint import load_latest_checkpoint
-    from template.training.outer import OuterConfig, OuterOptimizer
+    from template.training.outer import OuterOptimizer
 
     args = ["--run-id", f"conv{arm.codec}", "--preset", setup.model, "--data", setup.data,
             "--seq-len", str(setup.seq_len), "--batch-size", str(setup.batch_size),
@@ -327,7 +332,7 @@ def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float
     torch.set_num_threads(1)
     data = _Data(setup)
     model = data.build_model()
-    outer = OuterOptimizer(model, OuterConfig())
+    outer = OuterOptimizer(model, arm.outer_config())  # the checkpoint's momentum state has this optimizer's shape
     outer.load_state_dict({k[len("outer."):]: v for k, v in checkpoint.tensors.items() if k.startswith("outer.")})
     outer.load_into(model)
     result.update(final_heldout_loss=data.loss(model, data.eval_windows), theta_hash=outer.theta_hash(),
