@@ -129,10 +129,10 @@ def round_cost(row: dict[str, Any], codec: SegmentCodec, slice_values: int, tota
                repeats: int) -> dict[str, Any]:
     """One peer's codec work in one round at ``peers`` N, scaled to ``total`` values (module docstring)."""
     share = max(codec.segment_values, slice_values // peers)
-    per_value = row["ns_per_value"]
-    seconds = dict(encode=per_value["encode"] * total / 1e9, decode_own=per_value["decode"] * total / 1e9,
+    measured = row["seconds_at_total"]
+    seconds = dict(encode=measured["encode"], decode_own=measured["decode"],
                    reduce_share=reduce_share(codec, share, peers, repeats) * (total / peers) / share,
-                   decode_average=per_value["decode_average"] * total / 1e9)
+                   decode_average=measured["decode_average"])
     return dict(peers=peers, seconds_at_total=seconds, total_s=sum(seconds.values()),
                 dominated_by=max(seconds, key=seconds.get))
 

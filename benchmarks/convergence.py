@@ -130,9 +130,9 @@ class Arm:
 
     def outer_config(self):
         """The outer step of this arm (plain SGD when its momentum is 0)."""
-        from template.training.outer import OuterConfig
+        from template.training.outer import outer_step
 
-        return OuterConfig(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+        return outer_step(self.outer_lr, self.outer_momentum)
 
     def build_codec(self) -> SegmentCodec:
         from template.allreduce.codecs import get_codec
@@ -343,11 +343,11 @@ def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float
 def outer_of(codec: str, given: list[tuple[float, float]]) -> tuple[float, float]:
     """The outer step of a ``codec`` arm: the first ``--outer`` pair when given, else what the engine uses for that
     codec (``SPARSE_OUTER`` for sparse, ``OuterConfig()`` for the dense codecs)."""
-    from template.training.outer import SPARSE_OUTER, OuterConfig
+    from template.training.outer import default_outer
 
     if given:
         return given[0]
-    default = SPARSE_OUTER if codec == "sparse" else OuterConfig()
+    default = default_outer(codec)
     return default.lr, default.momentum
 
 

@@ -90,6 +90,7 @@ __all__ = [
     "encode_with_feedback",
     "get_codec",
     "segment_slices",
+    "with_feedback",
 ]
 
 CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "sparse")
@@ -126,6 +127,11 @@ def encode_segments(codec: SegmentCodec, flat: torch.Tensor, average: bool = Fal
     return segments, decoded
 
 
+def with_feedback(codec: SegmentCodec, values: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """What a sender encodes: its values plus its residual faded by the codec's β (``values + β·residual``)."""
+    return values + codec.feedback_decay * residual
+
+
 def encode_with_feedback(codec: SegmentCodec, values: torch.Tensor,
                          residual: torch.Tensor | None) -> tuple[list[bytes], torch.Tensor, torch.Tensor | None]:
     """A sender's whole contribution with error feedback: ``target = values + β·residual`` (β: the codec's
@@ -143,6 +149,6 @@ def encode_with_feedback(codec: SegmentCodec, values: torch.Tensor,
         return *encode_segments(codec, values), None
     if residual is not None and residual.shape != values.shape:
         raise CodecError(f"residual of shape {tuple(residual.shape)} for {values.numel()} values")
-    target = values.clone() if residual is None else values + codec.feedback_decay * residual
+    target = values.clone() if residual is None else with_feedback(codec, values, residual)
     segments, decoded = encode_segments(codec, target)
     return segments, decoded, target.sub_(decoded)

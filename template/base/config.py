@@ -140,8 +140,7 @@ class NeuronConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NeuronConfig:
         """The tree of a parsed command line (miner or validator: whichever groups the parser had); ValueError for
-        values that parse but do not fit together (the codec's settings are checked here, before any network)."""
-        codec_from(averaging_flags_from(args))
+        values that parse but do not fit together (the codec's settings included, before any network)."""
         return cls(
             chain=chain_args_from(args), axon=_section(AxonConfig, args, "axon"),
             neuron=_section(NeuronSettings, args, "neuron"), run=run_spec_from(args), data=data_config_from(args),

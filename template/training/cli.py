@@ -16,7 +16,7 @@ from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, SparseSettings,
 from template.training.data import DataConfig
 from template.training.inner import InnerConfig
 from template.training.model import MODEL_PRESETS
-from template.training.outer import SPARSE_OUTER, OuterConfig
+from template.training.outer import SPARSE_OUTER, OuterConfig, default_outer, outer_step
 from template.training.spec import RunSpec
 
 Spelling = Callable[[str, str], str]  # (group, name) -> flag; names read well in both spellings
@@ -95,12 +95,12 @@ def run_spec_from(args: argparse.Namespace) -> RunSpec:
 
 def outer_config_from(args: argparse.Namespace) -> OuterConfig:
     """The outer step the flags ask for; an unset one is the codec's default (:data:`SPARSE_OUTER` for sparse)."""
-    default = SPARSE_OUTER if getattr(args, "averaging_compression", None) == "sparse" else OuterConfig()
+    default = default_outer(getattr(args, "averaging_compression", ""))
     lr = default.lr if args.run_outer_lr is None else args.run_outer_lr
     momentum = default.momentum if args.run_outer_momentum is None else args.run_outer_momentum
     if not lr > 0 or not 0 <= momentum < 1:
         raise ValueError(f"the outer step needs lr > 0 and 0 <= momentum < 1, got lr {lr} and momentum {momentum}")
-    return OuterConfig(lr=lr, momentum=momentum, nesterov=momentum > 0)
+    return outer_step(lr, momentum)
 
 
 def data_config_from(args: argparse.Namespace) -> DataConfig:
@@ -119,6 +119,9 @@ class AveragingFlags:
     matchmaking_time: float = AveragingConfig.matchmaking_time
     allreduce_timeout: float = AveragingConfig.allreduce_timeout
     next_chunk_timeout: float = AveragingConfig.next_chunk_timeout
+
+    def __post_init__(self) -> None:
+        codec_from(self)  # ValueError for sparse settings that are invalid or given to a dense codec, at parse time
 
 
 def averaging_flags_from(args: argparse.Namespace) -> AveragingFlags:

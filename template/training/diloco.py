@@ -43,7 +43,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from template.allreduce.averager import AveragingConfig, AveragingResult, PseudoGradientAverager
-from template.allreduce.codecs import SegmentCodec, get_codec
+from template.allreduce.codecs import SegmentCodec, get_codec, with_feedback
 from template.allreduce.contribution import (
     EncodedContribution,
     Signer,
@@ -285,7 +285,7 @@ class DiLoCoPeer:
         round, fading by the codec's β (e ← (x + β·e) − decode(encode(x + β·e)))."""
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
         if self.residual.numel():
-            flat = flat + self.codec.feedback_decay * self.residual
+            flat = with_feedback(self.codec, flat, self.residual)
         contribution = self.averager.contribute(flat)
         if self.residual.numel():
             self.residual = flat - contribution.decoded

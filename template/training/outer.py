@@ -36,6 +36,16 @@ class OuterConfig:
 SPARSE_OUTER = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)
 
 
+def outer_step(lr: float, momentum: float) -> OuterConfig:
+    """The outer step for ``lr`` and ``momentum``: Nesterov when there is momentum, plain SGD when it is 0."""
+    return OuterConfig(lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+def default_outer(codec_name: str) -> OuterConfig:
+    """The outer step a run with this codec takes unless told otherwise (:data:`SPARSE_OUTER` for ``sparse``)."""
+    return SPARSE_OUTER if codec_name == "sparse" else OuterConfig()
+
+
 class OuterOptimizer:
     """Holds θ_r as CPU float32 tensors in ``model.parameters()`` order, with ``torch.optim.SGD`` over them."""
 
