@@ -2,8 +2,8 @@
 (dense and sparse) and overlapped communication, on an exact in-process simulator.
 
 ``python -m benchmarks.convergence [--quick] [--engine exact|hivemind|both] [--codecs none,fp16,int8,sparse]
-[--sparse-k K --sparse-chunk C --sparse-bits B --sparse-quantizer Q --no-error-feedback] [--sweep]
-[--overlap fp16,sparse]``
+[--sparse-k K --sparse-chunk C --sparse-bits B --sparse-quantizer Q --no-error-feedback]
+[--sweep --sweep-k 16,64,256 --sweep-bits 1,2,4 --sweep-decay off,0.9,0.95,1.0] [--overlap fp16,sparse]``
 
 Arms (tiny preset, byte-level data, the engine's default inner AdamW settings for every arm):
 
@@ -16,9 +16,9 @@ Arms (tiny preset, byte-level data, the engine's default inner AdamW settings fo
   them: each peer's flat Δ (plus its residual, kept across rounds, for ``sparse``) goes through
   ``encode_with_feedback``; the token-weighted mean of the *decoded* contributions (float64 accumulation, float32
   result — the reducer's arithmetic) goes through ``encode_average``/``decode_average`` per segment; the outer step
-  is the engine's ``OuterOptimizer``. ``sparse`` takes its settings from ``--sparse-*``; ``--sweep`` runs k ∈ {20,
-  64, 128, 256} of 4096 × bits ∈ {2, 4, 8} × with/without error feedback (24 arms) beside ``diloco_none`` and
-  ``diloco_fp16`` (and skips ``dp``/``single``).
+  is the engine's ``OuterOptimizer``. ``sparse`` takes its settings from ``--sparse-*``; ``--sweep`` runs k ∈ {16,
+  64, 256} of 4096 × bits ∈ {1, 2, 4} × error-feedback β ∈ {off, 0.9, 0.95, 1.0} (36 arms; ``--sweep-*`` pick a
+  part) at the outer step of ``--outer``, beside ``diloco_none`` (and skips ``dp``/``single``).
 - ``diloco_<codec>_delayed`` / ``_eager`` / ``_eager_mixed`` (``--overlap``): round r's all-reduce runs while round r+1
   trains. Notation: G_r is the global θ after the outer steps of Δ̄_0 … Δ̄_{r−1}, identical on every peer (G_0 = θ_0,
   G_{r+1} = outer(G_r, Δ̄_r), with the outer optimizer's momentum); Δ̄_r arrives during round r+1, so at the start of
@@ -58,7 +58,7 @@ import logging
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -92,8 +92,9 @@ DILOCO_OVER_DP_GOAL = 1.02
 CODEC_LOSS_GOAL = 0.01
 SPARSE_OVER_DENSE_GOAL = 1.01  # the product's bar: sparse held-out loss ≤ 1.01 × dense fp32
 OVERLAP_OVER_BLOCKING_GOAL = 1.01  # overlapped communication within 1 % of the blocking arm
-SWEEP_K = (20, 64, 128, 256)  # of 4096: density ≈ 0.5 %, 1.6 %, 3.1 %, 6.3 %
-SWEEP_BITS = (2, 4, 8)
+SWEEP_K = "16,64,256"  # of 4096: density 0.39 %, 1.56 %, 6.25 %
+SWEEP_BITS = "1,2,4"
+SWEEP_DECAY = "off,0.9,0.95,1.0"  # error-feedback β; off = no residual at all
 OVERLAP_MODES = ("blocking", "delayed", "eager", "eager_mixed")
 
 
@@ -385,8 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sparse-feedback-decay", type=float, default=defaults.feedback_decay,
                         help="β of the error feedback, e ← β·e + Δ before each encoding (1.0 keeps all)")
     parser.add_argument("--sweep", action="store_true",
-                        help=f"sparse k {SWEEP_K} of chunk 4096 × bits {SWEEP_BITS} × error feedback on/off, "
-                             "beside diloco_none and diloco_fp16 (replaces --codecs, skips dp and single)")
+                        help="one sparse arm per setting of --sweep-k × --sweep-bits × --sweep-decay (chunk 4096, "
+                             "outer step from --outer), beside diloco_none (replaces --codecs, skips dp and single; "
+                             "--no-reference-arms skips diloco_none too)")
+    parser.add_argument("--sweep-k", default=SWEEP_K, help="sweep: entries kept per 4096-value chunk, comma-separated")
+    parser.add_argument("--sweep-bits", default=SWEEP_BITS, help="sweep: bits per kept value, comma-separated")
+    parser.add_argument("--sweep-decay", default=SWEEP_DECAY,
+                        help="sweep: error-feedback β values, comma-separated; off = no residual")
     parser.add_argument("--no-reference-arms", action="store_true",
                         help="skip dp and single (they do not depend on codecs; deterministic, so earlier runs hold)")
     parser.add_argument("--overlap", default="",
@@ -412,11 +418,10 @@ def build_arms(args: argparse.Namespace) -> tuple[list[Arm], list[str]]:
                    settings if codec == "sparse" else None, overlap)
 
     if args.sweep:
-        codecs = ["none", "fp16"]
+        codecs = [] if args.no_reference_arms else ["none"]
         arms = [diloco(c) for c in codecs]
-        arms += [diloco("sparse", f"diloco_sparse_k{k}_b{bits}" + ("" if feedback else "_noef"),
-                        settings=SparseSettings(chunk=4096, k=k, bits=bits, error_feedback=feedback))
-                 for feedback in (True, False) for k in SWEEP_K for bits in SWEEP_BITS]
+        arms += [diloco("sparse", f"diloco_sparse_k{k}_b{bits}_ef{decay}", settings=settings)
+                 for k, bits, decay, settings in sweep_settings(args, sparse)]
     else:
         codecs = args.codecs.split(",")
         arms = [] if args.no_reference_arms else [Arm("dp", "dp"), Arm("single", "single")]
@@ -427,6 +432,23 @@ def build_arms(args: argparse.Namespace) -> tuple[list[Arm], list[str]]:
             arms.append(diloco(codec))
         arms += [diloco(codec, f"diloco_{codec}_{mode}", mode) for mode in args.overlap_modes.split(",")]
     return arms, codecs
+
+
+def sweep_settings(args: argparse.Namespace, base: SparseSettings) -> list[tuple[int, int, str, SparseSettings]]:
+    """The sweep's grid: (k, bits, β, settings) for each setting, the rest of ``base`` kept; a bad value exits with
+    the setting it names."""
+    grid = []
+    try:
+        for k in (int(v) for v in args.sweep_k.split(",")):
+            for bits in (int(v) for v in args.sweep_bits.split(",")):
+                for decay in args.sweep_decay.split(","):
+                    feedback = (dict(error_feedback=False) if decay == "off"
+                                else dict(error_feedback=True, feedback_decay=float(decay)))
+                    grid.append((k, bits, decay, replace(base, chunk=4096, k=k, bits=bits, segment_values=None,
+                                                         **feedback)))
+    except ValueError as exc:
+        raise SystemExit(f"bad sweep setting: {exc}") from exc
+    return grid
 
 
 def main(argv: list[str] | None = None) -> int:

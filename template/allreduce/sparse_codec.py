@@ -45,9 +45,11 @@ class SparseSettings:
 
     - ``chunk``: values per chunk (top-k unit), 2 … 32768 (a chunk's count of averaged nonzeros fits a u16).
     - ``k``: entries kept per chunk, 1 … chunk (default 64 of 4096 = 1.56 %).
-    - ``bits``: bits per kept value, 2 … 8.
+    - ``bits``: bits per kept value, 1 … 8 (``uniform``: 2 … 8).
     - ``quantizer``: ``signmag`` — 1 sign bit + (bits−1) magnitude bits, magnitudes ``m·s`` for m = 1 … L with
-      ``L = 2**(bits−1)`` and ``s = absmax/L`` (no level is spent on 0: kept entries are a chunk's largest); or
+      ``L = 2**(bits−1)`` and ``s = absmax/L`` (no level is spent on 0: kept entries are a chunk's largest); at
+      1 bit (the sign alone) ``s`` is the mean |x| of the chunk's kept values instead, the scale that minimizes a
+      sign code's squared error (``absmax`` would inflate every kept value but the largest); or
       ``uniform`` — symmetric levels ``q·s`` for q = −(L−1) … L−1 with ``s = absmax/(L−1)`` (code 2L−1 unused).
     - ``error_feedback``: whether senders keep a residual (the product always does; off only to measure it).
     - ``feedback_decay``: β in (0, 1] of the error feedback, e ← β·e + Δ before each encoding (SparseLoCo): what
@@ -77,9 +79,9 @@ class SparseSettings:
     def __post_init__(self) -> None:
         _check_int("chunk", self.chunk, 2, 1 << 15)
         _check_int("k", self.k, 1, self.chunk)
-        _check_int("bits", self.bits, 2, 8)
         if self.quantizer not in SPARSE_QUANTIZERS:
             raise ValueError(f"quantizer must be one of {SPARSE_QUANTIZERS}, got {self.quantizer!r}")
+        _check_int("bits", self.bits, 1 if self.quantizer == "signmag" else 2, 8)
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be a bool, got {self.error_feedback!r}")
         decay = self.feedback_decay
@@ -164,15 +166,19 @@ class SparseCodec(SegmentCodec):
         positions, absmax = _top_k_per_chunk(values.numpy(), s.chunk, s.k)
         positions = torch.from_numpy(positions)
         row_of = positions // s.chunk
-        scales = self._scales(torch.from_numpy(absmax).view(torch.float32))
-        codes = self._quantize(values[positions], scales[row_of])
+        absmax = torch.from_numpy(absmax).view(torch.float32)
+        kept = values[positions]
+        scales = self._scales(_mean_abs_per_chunk(kept, s.k) if self._levels == 1 else absmax, absmax)
+        codes = self._quantize(kept, scales[row_of])
         return _le_bytes(scales, "<f4") + _bit_pack(positions % s.chunk, s.index_bits) + _bit_pack(codes, s.bits)
 
-    def _scales(self, absmax: torch.Tensor) -> torch.Tensor:
+    def _scales(self, magnitude: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+        """Each chunk's scale from its ``magnitude`` (absmax, or the mean |kept| for a sign code): 0 for a zero
+        chunk, NaN for a chunk with a non-finite value."""
         divisor = self._levels if self._settings.quantizer == "signmag" else self._levels - 1
-        scales = absmax / divisor
+        scales = magnitude / divisor
         if divisor & (divisor - 1):  # not a power of two: round toward zero so that divisor·s ≤ absmax
-            too_big = scales.double() * divisor > absmax.double()
+            too_big = scales.double() * divisor > magnitude.double()
             scales = torch.where(too_big, torch.nextafter(scales, torch.zeros_like(scales)), scales)
         scales = torch.where(absmax > 0, scales.clamp_min(_TINY), scales.new_zeros(()))
         return scales.masked_fill_(~torch.isfinite(absmax), math.nan)
@@ -290,6 +296,17 @@ def _top_k_rows(keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         equal = rows == threshold
         chosen[tied] = above | (equal & (np.cumsum(equal, axis=1) <= room[:, None]))
     return np.flatnonzero(chosen), partitioned[:, width - k:].max(axis=1)
+
+
+def _mean_abs_per_chunk(kept: torch.Tensor, k: int) -> torch.Tensor:
+    """The mean |x| of each chunk's kept values (``k`` per chunk, fewer in a short last chunk), float32, summed in
+    float64 over a fixed shape so the same values give the same scale."""
+    magnitudes = kept.abs().double()
+    full = magnitudes.numel() // k
+    means = magnitudes[:full * k].view(full, k).sum(1) / k
+    if magnitudes.numel() > full * k:
+        means = torch.cat((means, magnitudes[full * k:].mean().reshape(1)))
+    return means.float()
 
 
 def _top_k_per_chunk(values: np.ndarray, chunk: int, k: int) -> tuple[np.ndarray, np.ndarray]:

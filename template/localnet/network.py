@@ -80,7 +80,7 @@ class LocalnetConfig:
     blocks_per_round: int = 40  # 20 s rounds: room for a loaded 2-core machine to train, match and average
     seconds_per_block: float = 0.5
     tempo: int = 10  # blocks between Yuma epochs
-    compression: str = "fp16"
+    compression: str | None = None  # None: the preset's codec (template.training.cli.PRESET_COMPRESSION)
     inner_steps: int = 10
     seq_len: int = 64
     matchmaking_time: float = 5.0
@@ -185,9 +185,11 @@ def neuron_command(config: LocalnetConfig, neuron: NeuronInfo, url: str, out: Pa
         "--neuron.full_path", str(out / neuron.name), "--neuron.blocks_per_round", str(config.blocks_per_round),
         "--neuron.events_file", str(out / f"{neuron.name}.events"), "--neuron.torch_threads", "1",
         "--run.preset", config.model, "--run.data", config.data, "--run.inner_steps", str(config.inner_steps),
-        "--run.seq_len", str(config.seq_len), "--averaging.compression", config.compression,
-        "--averaging.matchmaking_time", str(config.matchmaking_time), "--wandb.off",
+        "--run.seq_len", str(config.seq_len), "--averaging.matchmaking_time", str(config.matchmaking_time),
+        "--wandb.off",
     ]
+    if config.compression:
+        command += ["--averaging.compression", config.compression]
     if neuron.role == "miner":
         command += ["--miner.behaviour", str(neuron.behaviour)]
     if dashboard_port:
@@ -392,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blocks-per-round", type=int, default=defaults.blocks_per_round)
     parser.add_argument("--seconds-per-block", type=float, default=defaults.seconds_per_block)
     parser.add_argument("--tempo", type=int, default=defaults.tempo, help="blocks between Yuma epochs")
-    parser.add_argument("--compression", default=defaults.compression, choices=CODEC_NAMES)
+    parser.add_argument("--compression", default=defaults.compression, choices=CODEC_NAMES,
+                        help="codec of the all-reduce (default: the preset's, fp16 for tiny, sparse for small and 1b)")
     parser.add_argument("--inner-steps", type=int, default=defaults.inner_steps, help="H: inner steps per round")
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--matchmaking-time", type=float, default=defaults.matchmaking_time)

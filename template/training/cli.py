@@ -34,6 +34,12 @@ def dotted(group: str, name: str) -> str:
 
 GROUP_QUALIFIED = {"id", "seed"}  # too vague without their group in the dashed spelling
 
+# The codec a preset's run uses when --averaging.compression is not given. The sparse codec trains as well as dense
+# (docs/benchmarks.md §7: 1.003 × dense after 200 rounds) for ~1/9 of fp16's bytes at N = 8, which decides a
+# 124 M or 1.1 B model's round on a home link; the tiny preset's rounds are a few MB either way, and its tests,
+# demos and benchmarks compare against the dense fp16 path.
+PRESET_COMPRESSION = {"tiny": "fp16", "small": "sparse", "1b": "sparse"}
+
 
 def add_run_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> None:
     """What every peer of one run must agree on (they fail fast when they do not)."""
@@ -71,12 +77,15 @@ def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed)
     def add(name: str, **kwargs) -> None:
         group.add_argument(flag("averaging", name), dest=f"averaging_{name}", metavar=name.upper(), **kwargs)
 
-    add("compression", default="fp16", choices=CODEC_NAMES, help="codec of the pseudo-gradient all-reduce")
+    add("compression", default=None, choices=CODEC_NAMES,
+        help="codec of the pseudo-gradient all-reduce (default: "
+             + ", ".join(f"{codec} for {preset}" for preset, codec in PRESET_COMPRESSION.items()) + ")")
     sparse = SparseSettings()
     add("sparse_chunk", type=int, default=sparse.chunk,
         help="sparse codec: values per chunk, the unit of its top-k (every peer of a run must use the same)")
     add("sparse_k", type=int, default=sparse.k, help="sparse codec: entries each chunk keeps (density k/chunk)")
-    add("sparse_bits", type=int, default=sparse.bits, help="sparse codec: bits per kept value, 2 to 8")
+    add("sparse_bits", type=int, default=sparse.bits,
+        help="sparse codec: bits per kept value, 1 (the sign at the mean kept magnitude) to 8")
     add("matchmaking_time", type=float, default=AveragingConfig.matchmaking_time,
         help="seconds a group leader waits for peers")
     add("allreduce_timeout", type=float, default=AveragingConfig.allreduce_timeout,
@@ -95,7 +104,7 @@ def run_spec_from(args: argparse.Namespace) -> RunSpec:
 
 def outer_config_from(args: argparse.Namespace) -> OuterConfig:
     """The outer step the flags ask for; an unset one is the codec's default (:data:`SPARSE_OUTER` for sparse)."""
-    default = default_outer(getattr(args, "averaging_compression", ""))
+    default = default_outer(compression_from(args) if hasattr(args, "averaging_compression") else "")
     lr = default.lr if args.run_outer_lr is None else args.run_outer_lr
     momentum = default.momentum if args.run_outer_momentum is None else args.run_outer_momentum
     if not lr > 0 or not 0 <= momentum < 1:
@@ -124,8 +133,13 @@ class AveragingFlags:
         codec_from(self)  # ValueError for sparse settings that are invalid or given to a dense codec, at parse time
 
 
+def compression_from(args: argparse.Namespace) -> str:
+    """``--averaging.compression``, or the run preset's codec (:data:`PRESET_COMPRESSION`) when it is not given."""
+    return args.averaging_compression or PRESET_COMPRESSION[args.run_preset]
+
+
 def averaging_flags_from(args: argparse.Namespace) -> AveragingFlags:
-    return AveragingFlags(compression=args.averaging_compression, sparse_chunk=args.averaging_sparse_chunk,
+    return AveragingFlags(compression=compression_from(args), sparse_chunk=args.averaging_sparse_chunk,
                           sparse_k=args.averaging_sparse_k, sparse_bits=args.averaging_sparse_bits,
                           matchmaking_time=args.averaging_matchmaking_time,
                           allreduce_timeout=args.averaging_allreduce_timeout,

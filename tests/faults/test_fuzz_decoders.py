@@ -80,7 +80,8 @@ CODEC = get_codec("none", segment_values=5)  # the run's codec: 17 values in 4 s
 # one codec of each kind, with small segments, for the committed-garbage fuzz
 CODECS = {"none": CODEC, "fp16": get_codec("fp16", segment_values=5), "int8": get_codec("int8", segment_values=256),
           "sparse": get_codec("sparse", chunk=4, k=2, bits=3, segment_values=8),
-          "sparse-uniform": get_codec("sparse", chunk=8, k=3, bits=2, quantizer="uniform", segment_values=8)}
+          "sparse-uniform": get_codec("sparse", chunk=8, k=3, bits=2, quantizer="uniform", segment_values=8),
+          "sparse-1bit": get_codec("sparse", chunk=8, k=3, bits=1, segment_values=8)}
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=16),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),

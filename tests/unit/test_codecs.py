@@ -116,6 +116,30 @@ def test_sparse_keeps_exactly_the_top_k_within_the_quantization_bound(quantizer,
         assert (torch.sign(y[kept]) == torch.sign(x[kept])).all()
 
 
+def test_sparse_one_bit_sends_the_sign_at_the_mean_kept_magnitude():
+    """At 1 bit a kept value is its sign times its chunk's mean |kept|, the scale that minimizes the squared error
+    of a sign code; non-finite chunks still decode non-finite, zero chunks to zero."""
+    settings_ = SparseSettings(chunk=256, k=8, bits=1, segment_values=1024)
+    codec = SparseCodec(settings_)
+    x = gaussian(1000, seed=3)  # 3 whole chunks and a partial one of 232 values
+    x[520:540] = 0.0
+    x[768:] = 0.0
+    x[0] = math.inf
+    data = codec.encode(x)
+    assert len(data) == 4 * 4 + 32 * 8 // 8 + 32 // 8 == codec.encoded_size(1000)
+    y = codec.decode(data, 1000)
+    kept = reference_top_k(x, 256, 8)
+    assert (y[~kept] == 0).all() and torch.isnan(y[:256][kept[:256]]).all() and (y[768:] == 0).all()
+    for row in (1, 2):
+        chunk_kept = kept[256 * row:256 * (row + 1)]
+        values, decoded = x[256 * row:256 * (row + 1)][chunk_kept], y[256 * row:256 * (row + 1)][chunk_kept]
+        mean = float(values.abs().double().mean())
+        assert torch.equal(torch.sign(decoded), torch.sign(values)) and math.isclose(float(decoded.abs()[0]), mean,
+                                                                                      rel_tol=1e-6)
+        assert (decoded.abs() == decoded.abs()[0]).all()
+    assert codec.encode(x) == data  # the same values give the same bytes
+
+
 def test_sparse_last_chunk_shorter_than_k_keeps_all_its_values():
     codec = SparseCodec(SparseSettings(chunk=64, k=16, bits=8, segment_values=256))
     x = gaussian(64 + 10)
@@ -398,7 +422,8 @@ def test_settings_validate_and_serialize():
     s = SparseSettings(chunk=1024, k=16, bits=4)
     assert SparseSettings.from_dict(s.to_dict()) == s and hash(s) == hash(SparseSettings.from_dict(s.to_dict()))
     assert get_codec("sparse", **s.to_dict()).settings == s
-    for bad in (dict(chunk=1), dict(chunk=1 << 16), dict(k=0), dict(k=5000), dict(bits=1), dict(bits=9),
+    for bad in (dict(chunk=1), dict(chunk=1 << 16), dict(k=0), dict(k=5000), dict(bits=0), dict(bits=9),
+                dict(bits=1, quantizer="uniform"),
                 dict(quantizer="log"), dict(segment_values=4097), dict(error_feedback=1), dict(k=2.0),
                 dict(feedback_decay=0.0), dict(feedback_decay=1.5), dict(feedback_decay=True), dict(mean_of="median")):
         with pytest.raises(ValueError):

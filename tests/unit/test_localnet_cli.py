@@ -91,6 +91,15 @@ def test_neuron_commands_parse_with_the_neurons_own_parsers_and_agree_on_the_run
         assert args.averaging_compression == "none" and args.neuron_blocks_per_round == config.blocks_per_round
 
 
+def test_without_compression_the_neurons_use_the_presets_codec(tmp_path):
+    for model, codec in (("tiny", "fp16"), ("small", "sparse")):
+        config = LocalnetConfig(out=tmp_path, model=model)
+        command = neuron_command(config, MINER, "mock://127.0.0.1:9999", tmp_path)
+        assert "--averaging.compression" not in command
+        args = load_script("miner").build_parser().parse_args(command[2:])
+        assert NeuronConfig.from_args(args).codec().name == codec
+
+
 def test_children_carry_the_run_marker_and_keep_the_token_cache_in_the_run(tmp_path):
     env = child_env(tmp_path)
     assert env[RUN_MARKER_ENV] == str(tmp_path)

@@ -6,7 +6,8 @@ import pytest
 
 from template.allreduce.codecs import SparseSettings
 from template.allreduce.contribution import codec_descriptor
-from template.training.cli import averaging_flags_from, codec_from, run_spec_from
+from template.training.cli import PRESET_COMPRESSION, averaging_flags_from, codec_from, run_spec_from
+from template.training.model import MODEL_PRESETS
 from template.training.outer import SPARSE_OUTER, OuterConfig
 from template.training.peer import build_parser
 
@@ -31,7 +32,7 @@ def test_sparse_settings_for_a_dense_codec_or_invalid_ones_are_refused_with_the_
     with pytest.raises(ValueError, match="sparse_k.*only to compression 'sparse'"):
         codec_of("--sparse-k", "128")
     with pytest.raises(ValueError, match="bits"):
-        codec_of("--compression", "sparse", "--sparse-bits", "1")
+        codec_of("--compression", "sparse", "--sparse-bits", "0")
     with pytest.raises(ValueError, match="k must be"):
         codec_of("--compression", "sparse", "--sparse-k", "5000")
 
@@ -44,3 +45,18 @@ def test_the_outer_step_defaults_to_the_codecs_and_zero_momentum_is_plain_sgd():
     for bad in (("--outer-lr", "0"), ("--outer-momentum", "1.0"), ("--outer-momentum", "-0.1")):
         with pytest.raises(ValueError, match="outer step"):
             run_spec_from(parse(*bad))
+
+
+def test_the_codec_defaults_to_the_presets_and_an_explicit_one_wins():
+    """sparse for small and 1b (it trains like dense for ~1/9 of the bytes: docs/benchmarks.md §7), fp16 for tiny;
+    the outer step follows the codec that is in effect, not the flag as typed."""
+    assert set(PRESET_COMPRESSION) == set(MODEL_PRESETS)
+    assert codec_of().name == "fp16" and run_spec_from(parse()).outer == OuterConfig()
+    for preset in ("small", "1b"):
+        assert codec_of("--preset", preset).name == "sparse"
+        assert run_spec_from(parse("--preset", preset)).outer == SPARSE_OUTER
+        assert codec_of("--preset", preset, "--compression", "fp16").name == "fp16"
+        assert run_spec_from(parse("--preset", preset, "--compression", "fp16")).outer == OuterConfig()
+    assert codec_of("--preset", "small", "--sparse-k", "128").settings.k == 128
+    with pytest.raises(ValueError, match="only to compression 'sparse'"):
+        codec_of("--preset", "small", "--compression", "fp16", "--sparse-k", "128")

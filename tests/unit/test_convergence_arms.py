@@ -1,0 +1,33 @@
+"""The convergence benchmark's arms as its command line builds them (no training): the sparse sweep's grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.convergence import build_arms, build_parser
+from template.allreduce.codecs import SparseSettings
+
+
+def arms_of(*flags: str):
+    return build_arms(build_parser().parse_args(list(flags)))
+
+
+def test_the_sweep_crosses_density_bits_and_feedback_decay_at_the_outer_step_asked():
+    arms, codecs = arms_of("--sweep", "--sweep-k", "16,256", "--sweep-bits", "1,4", "--sweep-decay", "off,0.9")
+    assert codecs == ["none"] and arms[0].name == "diloco_none"
+    sparse = {arm.name: arm for arm in arms[1:]}
+    assert len(sparse) == 8 and all(arm.codec == "sparse" for arm in sparse.values())
+    assert sparse["diloco_sparse_k16_b1_efoff"].sparse == SparseSettings(k=16, bits=1, error_feedback=False)
+    assert sparse["diloco_sparse_k256_b4_ef0.9"].sparse == SparseSettings(k=256, bits=4, feedback_decay=0.9)
+    assert {(arm.outer_lr, arm.outer_momentum) for arm in sparse.values()} == {(1.0, 0.0)}  # the sparse default
+    arms, codecs = arms_of("--sweep", "--no-reference-arms", "--outer", "0.7:0.9", "--sweep-k", "64",
+                           "--sweep-bits", "2", "--sweep-decay", "0.95")
+    assert codecs == [] and [(a.name, a.outer_lr, a.outer_momentum) for a in arms] == [
+        ("diloco_sparse_k64_b2_ef0.95", 0.7, 0.9)]
+    assert len(arms_of("--sweep")[0]) == 1 + 3 * 3 * 4
+
+
+@pytest.mark.parametrize("flags", [("--sweep-bits", "0"), ("--sweep-k", "many"), ("--sweep-decay", "2.0")])
+def test_a_bad_sweep_setting_exits_with_its_reason(flags):
+    with pytest.raises(SystemExit, match="bad sweep setting"):
+        arms_of("--sweep", *flags)
