@@ -165,7 +165,12 @@ def test_weighted_mean_is_exact_and_bit_identical(dhts, codec):
         bytes_per_value = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4 / 256}[codec]
         payload = 2 * (3 - 1) * sum(s.numel() for s in SHAPES) * bytes_per_value
         assert payload <= sum(r.bytes_sent for r in results) <= 1.05 * payload
-        assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
+        # every byte sent is received, unless a member missed an owner's share (a transfer that broke under load) and
+        # fetched it from a groupmate: the relay serves it outside the round's counters (design change 13)
+        recoveries = [(r.evidence.failed_owners, r.evidence.recovered) for r in results if r.evidence.recovered]
+        if not recoveries:
+            assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
+        assert all(failed for failed, _ in recoveries), f"a share recovered with no recorded loss: {recoveries}"
 
         # the same averagers run a second round (buffers are reloaded, nothing leaks from round 1)
         second = average_all(peers, [random_deltas(10 + i) for i in range(3)], [1.0, 1.0, 1.0])
