@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -247,6 +248,7 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
         settled = flatten(outer.params()) if in_flight is None else _stepped(outer, in_flight, models[0])
         _load_flat(models[0], settled, outer.params())
         curve.append(dict(step=(r + 1) * setup.inner_steps, loss=data.loss(models[0], data.curve_windows)))
+        _progress(arm, r, setup.rounds, curve[-1]["loss"])
     if in_flight is not None:  # the last all-reduce lands: G_R
         outer.step(unflatten(in_flight, outer.params()))
     outer.load_into(models[0])
@@ -259,6 +261,13 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
         contribution_bits_per_param=8 * contribution_bytes / params,
         averaged_bits_per_param=8 * sum(averaged_bytes) / len(averaged_bytes) / params,
     )
+
+
+def _progress(arm: Arm, r: int, rounds: int, loss: float) -> None:
+    """A line on stderr every tenth of the run (arms train in worker processes, where logging is not set up)."""
+    if (r + 1) % max(rounds // 10, 1) == 0:
+        print(f"{time.strftime('%H:%M:%S')} {arm.name}: round {r + 1}/{rounds}, held-out loss {loss:.4f}",
+              file=sys.stderr, flush=True)
 
 
 def _load_flat(model: torch.nn.Module, flat: torch.Tensor, like: list[torch.Tensor]) -> None:
@@ -291,6 +300,7 @@ def run_arm(setup: Setup, arm: Arm) -> dict[str, Any]:
                            for k in range(setup.inner_steps)]
             trainer.train(batches, setup.inner_steps)
             curve.append(dict(step=(r + 1) * setup.inner_steps, loss=data.loss(model, data.curve_windows)))
+            _progress(arm, r, setup.rounds, curve[-1]["loss"])
         theta_hash = None
     params = sum(p.numel() for p in model.parameters())
     workers = 1 if arm.kind == "single" else setup.workers
