@@ -30,7 +30,10 @@ What happens when things go wrong:
 - Slow or disconnected peer: the miner bounds reading a request by ``request_timeout`` and a whole answer by
   ``response_timeout``, then closes the stream; the caller bounds the whole fetch by ``timeout``
   (:class:`FetchTimeoutError`, a ``TimeoutError``). A peer that cannot be dialed or drops the stream mid-answer raises
-  :class:`TransportError` (a ``ConnectionError``). Nothing from a failed fetch is kept.
+  :class:`TransportError` (a ``ConnectionError``) once ``attempts`` fetches in a row broke that way: a fetch is
+  idempotent, and on a loaded machine a libp2p stream sometimes ends early (CI, two cores: 2 payload streams cut
+  mid-frame in one run of the suite; 0 of 23 with a slow reader here), which must not cost an honest miner its round.
+  Nothing from a failed fetch is kept.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ log = logging.getLogger(__name__)
 
 HANDLER_NAME = f"diloco.publication.v{PROTOCOL_VERSION}"
 CHUNK_BYTES = 2 << 20  # 2 MiB of payload per frame
+FETCH_ATTEMPTS = 3  # a fetch whose stream broke is tried again, within the same timeout
 _FRAME_OVERHEAD = 256  # protobuf tags and lengths around a chunk or a reply
 _HEADER_LEN, _BYTEORDER = P2P.HEADER_LEN, P2P.BYTEORDER
 
@@ -352,28 +356,40 @@ async def fetch_publication(
     timeout: float = 60.0,
     max_bytes: int | None = None,
     expected_layout: Sequence[tuple[str, Sequence[int]]] | None = None,
+    attempts: int = FETCH_ATTEMPTS,
 ) -> Publication:
     """Fetch and fully verify the publication of ``request.round`` from the miner at ``peer_id``.
 
     ``expected_hotkey`` is the hotkey the caller's directory binds to ``peer_id``: the metadata must name it and
     carry its valid signature. ``max_bytes`` caps the payload (by default the size its own metadata allows);
     ``expected_layout`` (``[(name, shape), ...]``, e.g. from ``model.named_parameters()``) rejects a Δ for another
-    model before its payload is downloaded. Raises RefusedError, RateLimitedError, NotFoundError, ProtocolError,
-    FetchTimeoutError or TransportError.
+    model before its payload is downloaded. A stream that breaks is fetched again, ``attempts`` times in all, all
+    within ``timeout``. Raises RefusedError, RateLimitedError, NotFoundError, ProtocolError, FetchTimeoutError or
+    TransportError.
     """
     if isinstance(peer_id, str):
         if not is_peer_id(peer_id):
             raise ValueError(f"{peer_id!r} is not a PeerID")
         peer_id = PeerID.from_base58(peer_id)
+    if attempts < 1:
+        raise ValueError("attempts must be >= 1")
     layout = None if expected_layout is None else [(name, tuple(shape)) for name, shape in expected_layout]
-    try:
-        return await asyncio.wait_for(
-            _fetch(p2p, peer_id, request, expected_hotkey, max_bytes, layout), timeout
-        )
-    except asyncio.TimeoutError:
-        raise FetchTimeoutError(f"fetching round {request.round} from {peer_id} took longer than {timeout}s") from None
-    except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as err:
-        raise TransportError(f"fetching round {request.round} from {peer_id} failed: {err!r}") from None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    for attempt in range(1, attempts + 1):
+        try:
+            return await asyncio.wait_for(
+                _fetch(p2p, peer_id, request, expected_hotkey, max_bytes, layout), deadline - loop.time()
+            )
+        except asyncio.TimeoutError:
+            raise FetchTimeoutError(
+                f"fetching round {request.round} from {peer_id} took longer than {timeout}s") from None
+        except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as err:
+            failure = f"fetching round {request.round} from {peer_id} failed (attempt {attempt} of {attempts}): {err!r}"
+            if attempt == attempts:
+                raise TransportError(failure) from None
+            log.warning("%s: fetching again", failure)
+    raise AssertionError("unreachable: the last attempt returns or raises TransportError")
 
 
 async def _fetch(

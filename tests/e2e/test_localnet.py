@@ -59,6 +59,13 @@ def contribution_bytes(codec: str) -> int:
     return sum(encoded_sizes(get_codec(codec), numel))
 
 
+def last_scored(out: Path) -> list[dict]:
+    """What the validator's last ``scored`` event says of each miner (uid, score, reason, fetched bytes)."""
+    events = [json.loads(line) for line in (out / "validator.events").read_text().splitlines() if line.strip()]
+    scored = [e for e in events if e.get("event") == "scored"]
+    return [{k: row.get(k) for k in ("uid", "score", "reason", "fetched_bytes")} for row in scored[-1]["miners"]]
+
+
 def first_round_reported(out: Path) -> bool:
     for events in out.glob("miner*.events"):
         if any(json.loads(line).get("event") == "round" for line in events.read_text().splitlines() if line.strip()):
@@ -89,7 +96,8 @@ def test_two_miners_and_a_validator_train_set_weights_and_pass_the_checks(tmp_pa
     assert any(row["incentive"] > 0 and row["weight"] > 0 for row in neurons if row["role"] == "miner")
     assert report["weights_set"] and any(entry["ok"] for entry in report["weights_set"])
     # the validator fetched each miner's whole contribution: fp16, two bytes per parameter
-    assert [row["fetched_bytes"] for row in neurons if row["role"] == "miner"] == [contribution_bytes("fp16")] * 2
+    fetched = [row["fetched_bytes"] for row in neurons if row["role"] == "miner"]
+    assert fetched == [contribution_bytes("fp16")] * 2, last_scored(out)
 
     for name in ("loss.png", "weights.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"

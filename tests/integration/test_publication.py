@@ -42,6 +42,7 @@ from template.p2p.publication import (
     PublicationServer,
     RateLimitedError,
     RefusedError,
+    TransportError,
     fetch_publication,
     permit_holders,
 )
@@ -291,6 +292,51 @@ def raw_exchange(network: Network, frame: bytes) -> FetchReply:
         return FetchReply.decode(response.metadata)
 
     return run(network.loop, exchange(), timeout=15)
+
+
+class _CutWriter:
+    """A stream writer that passes the first ``budget`` bytes and drops the rest: the caller sees the stream end
+    mid-answer, as when a libp2p stream breaks."""
+
+    def __init__(self, writer: asyncio.StreamWriter, budget: int):
+        self.writer, self.budget = writer, budget
+
+    def write(self, data: bytes) -> None:
+        kept = bytes(data[: max(self.budget, 0)])
+        self.budget -= len(data)
+        if kept:
+            self.writer.write(kept)
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@pytest.mark.parametrize("cuts, attempts", [(2, 3), (1, 1)])
+def test_a_stream_cut_mid_answer_is_fetched_again(network, cuts, attempts):
+    """The miner's first ``cuts`` answers end mid-payload: the fetch tries again within its timeout and returns the
+    whole verified publication, or raises TransportError when its attempts run out."""
+    delta = pseudo_gradient(seed=4)
+    answers = []
+    with serving(network) as server:
+        _, contribution, _ = publish(server, 4, delta)
+
+        async def cut_first_answers(info, reader, writer):
+            answers.append(len(answers) < cuts)
+            await server._handle(info, reader, _CutWriter(writer, 300_000) if answers[-1] else writer)
+
+        miner = network.p2p["miner"]
+        run(network.loop, miner.remove_binary_stream_handler(HANDLER_NAME))
+        run(network.loop, miner.add_binary_stream_handler(HANDLER_NAME, cut_first_answers))
+        if attempts > cuts:
+            assert network.fetch("validator", 4, attempts=attempts).payload == b"".join(contribution.segments)
+            assert answers == [True] * cuts + [False]
+        else:
+            with pytest.raises(TransportError, match=f"attempt {attempts} of {attempts}.*IncompleteReadError"):
+                network.fetch("validator", 4, attempts=attempts)
+            assert answers == [True] * attempts
 
 
 def test_malformed_requests_get_a_clear_bad_request(network):
