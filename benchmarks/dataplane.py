@@ -25,6 +25,12 @@ receive its peer posted and *aborts the receiving process* (``gloo::EnforceNotMe
 ``terminate``, SIGABRT) when the message is longer than the posted buffer. The probe has one rank post a 1 KiB
 receive and the other send 2 KiB, and reports how the receiver exited. In a subnet any groupmate could send that
 message, so this data plane may carry segments only inside a process that a peer is allowed to kill.
+
+That process is measured too (``child_*`` in each row): the same butterfly with every transfer made by a transport
+child per rank (spawned once, a new gloo group per round as a round's group changes, the segments handed over in
+shared memory allocated once), the checks still in the rank's own process. ``child_round_setup_s`` is the per-round
+group rendezvous (slowest rank; the leader's store listens before the members join, else a member that connects
+first waits out a retry back-off, measured at 0.4–0.75 s), ``child_respawn_s`` what replacing a killed child costs.
 """
 
 from __future__ import annotations
@@ -39,11 +45,14 @@ import sys
 import time
 
 import torch
+import torch.multiprocessing as mp
 
 from benchmarks.common import REPO_ROOT, emit, machine_info, median, ratio, setup_logging
 
 DEFAULT_GOAL = 3.0
 PROBE_POSTED_BYTES = 1024
+SIGNATURE_BYTES = 64  # sr25519
+CHILD_REPLY_TIMEOUT_S = 120.0
 
 
 def make_tensor(rank: int, repeat: int, size: int) -> torch.Tensor:
@@ -72,25 +81,32 @@ def rank_main(args: argparse.Namespace) -> None:
     signer = ephemeral_signer()
     keys = _all_gather_bytes(dist, signer.key.encode(), world)  # ss58 addresses (equal length): in the gather
 
-    def segment_bytes(segments: tuple[bytes, ...], start: int, stop: int) -> torch.Tensor:
-        return torch.frombuffer(bytearray(b"".join(segments[start:stop])), dtype=torch.uint8)
-
     def sizes(start: int, stop: int) -> list[int]:
         return [codec.encoded_size(layout.numel_of(k)) for k in range(start, stop)]
 
-    def butterfly(contribution) -> tuple[torch.Tensor, float]:
-        """The timed part: scatter-reduce with checks, then all-gather of the certified averages."""
+    # Every transfer's buffer, allocated once in shared memory: both transports move the same bytes.
+    start, stop = ranges[rank]
+    mine = sizes(start, stop)
+    owners = [o for o in range(world) if ranges[o][1] > ranges[o][0]]  # a rank may own nothing
+    def buffer(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8).share_memory_()
+
+    send_to = {o: buffer(sum(sizes(*ranges[o]))) for o in owners if o != rank}
+    inbox = {s: buffer(sum(mine)) for s in range(world) if s != rank and mine}
+    share = buffer(sum(mine) + SIGNATURE_BYTES)
+    received = {o: buffer(sum(sizes(*ranges[o])) + SIGNATURE_BYTES) for o in owners if o != rank}
+    phases = dict(scatter=(send_to, inbox), gather=({m: share for m in range(world) if m != rank and mine}, received))
+
+    def butterfly(contribution, exchange) -> tuple[torch.Tensor, float]:
+        """The timed part: scatter-reduce with checks, then all-gather of the certified averages; ``exchange(phase)``
+        moves one phase's buffers."""
         leaves = _all_gather_leaves(dist, contribution.leaves, world)  # committed before: untimed in real runs
         dist.barrier()
         started = time.perf_counter()
-        start, stop = ranges[rank]
-        mine = sizes(start, stop)
-        owners = [o for o in range(world) if ranges[o][1] > ranges[o][0]]  # a rank may own nothing
-        inbox = {s: torch.empty(sum(mine), dtype=torch.uint8) for s in range(world) if s != rank and mine}
-        work = [dist.irecv(inbox[s], src=s) for s in inbox]
-        work += [dist.isend(segment_bytes(contribution.segments, *ranges[o]), dst=o) for o in owners if o != rank]
-        for w in work:
-            w.wait()
+        for o, tensor in send_to.items():
+            tensor.copy_(torch.frombuffer(bytearray(b"".join(contribution.segments[slice(*ranges[o])])),
+                                          dtype=torch.uint8))
+        exchange("scatter")
         averaged, offset = [], 0
         for k, length in zip(range(start, stop), mine, strict=True):
             inputs = []
@@ -103,13 +119,10 @@ def rank_main(args: argparse.Namespace) -> None:
             offset += length
         digest = segments_digest(averaged)
         signature = signer.sign(certificate_bytes("bench", 0, b"group", rank, start, stop, digest, bytes(32)))
-        share = torch.frombuffer(bytearray(b"".join(averaged) + signature), dtype=torch.uint8)
-        received = {o: torch.empty(sum(sizes(*ranges[o])) + len(signature), dtype=torch.uint8)
-                    for o in owners if o != rank}
-        work = [dist.irecv(received[o], src=o) for o in received]
-        work += [dist.isend(share, dst=m) for m in range(world) if m != rank and mine]
-        for w in work:
-            w.wait()
+        assert len(signature) == SIGNATURE_BYTES
+        if mine:
+            share.copy_(torch.frombuffer(bytearray(b"".join(averaged) + signature), dtype=torch.uint8))
+        exchange("gather")
         output = torch.empty(size, dtype=torch.float32)
         for o in owners:
             o_start, o_stop = ranges[o]
@@ -127,9 +140,20 @@ def rank_main(args: argparse.Namespace) -> None:
             message = certificate_bytes("bench", 0, b"group", o, o_start, o_stop, segments_digest(parts), bytes(32))
             if not verify_signature(keys[o].decode(), message, blob[offset:]):
                 raise RuntimeError(f"owner {o}'s certificate does not verify")
-        elapsed = torch.tensor([time.perf_counter() - started])
+        return output, slowest(time.perf_counter() - started)
+
+    def slowest(seconds: float) -> float:
+        elapsed = torch.tensor([seconds])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return output, float(elapsed)
+        return float(elapsed)
+
+    def in_process(phase: str) -> None:
+        _exchange(dist, *phases[phase])
+
+    child = _TransportChild(rank, world, phases)
+    started = time.perf_counter()
+    child.respawn()
+    respawn_s = slowest(time.perf_counter() - started)
 
     rows = []
     for repeat in range(args.warmup + args.repeats):
@@ -139,17 +163,117 @@ def rank_main(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         dist.all_reduce(reduced)
         reduced.div_(world)
-        gloo = torch.tensor([time.perf_counter() - started])
-        dist.all_reduce(gloo, op=dist.ReduceOp.MAX)
-        output, seconds = butterfly(encode_contribution(codec, x))
+        gloo = slowest(time.perf_counter() - started)
+        contribution = encode_contribution(codec, x)
+        output, seconds = butterfly(contribution, in_process)
         digests = _all_gather_bytes(dist, hashlib.sha256(output.numpy().tobytes()).digest(), world)
+        port = torch.tensor([_free_port() if rank == 0 else 0])  # the round's rendezvous, as its leader announces
+        dist.broadcast(port, 0)
+        started = time.perf_counter()
+        if rank == 0:  # the leader's store listens before any member connects (no client retry back-off)
+            child.listen(int(port))
+        dist.barrier()
+        child.open_round(int(port))
+        setup = slowest(time.perf_counter() - started)
+        child_output, child_seconds = butterfly(contribution, child.exchange)
+        same = torch.equal(output.view(torch.int32), child_output.view(torch.int32))
         exact = sum(make_tensor(r, repeat, size).double() for r in range(world)) / world
         if repeat >= args.warmup:
-            rows.append(dict(gloo_s=float(gloo), dataplane_s=seconds, identical=len(set(digests)) == 1,
+            rows.append(dict(gloo_s=gloo, dataplane_s=seconds, child_s=child_seconds, child_round_setup_s=setup,
+                             identical=len(set(digests)) == 1 and same,
                              max_abs_error=float((output.double() - exact).abs().max())))
+    child.close()
     if rank == 0:
-        print(json.dumps(dict(world=world, rows=rows)), flush=True)
+        print(json.dumps(dict(world=world, rows=rows, child_respawn_s=respawn_s)), flush=True)
     dist.destroy_process_group()
+
+
+def _exchange(dist, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
+    """Post every receive, then every send, and wait for all: one phase of the butterfly on the current group."""
+    work = [dist.irecv(tensor, src=peer) for peer, tensor in receives.items()]
+    work += [dist.isend(tensor, dst=peer) for peer, tensor in sends.items()]
+    for w in work:
+        w.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _TransportChild:
+    """A rank's transfers made in a child process that a hostile groupmate may abort (module docstring): spawned
+    once with the phases' shared buffers, told each round's rendezvous and each phase to run, over a pipe."""
+
+    def __init__(self, rank: int, world: int, phases: dict):
+        self.rank, self.world, self.phases = rank, world, phases
+        self.conn = self.process = None
+        self.respawn()
+
+    def respawn(self) -> None:
+        """Replace the child (as after it was killed): what a member pays once per abort."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.join(10)
+        context = mp.get_context("spawn")
+        self.conn, theirs = context.Pipe()
+        self.process = context.Process(target=_transport_child_main, args=(theirs, self.rank, self.world, self.phases),
+                                       daemon=True)
+        self.process.start()
+        self._expect("ready")
+
+    def listen(self, port: int) -> None:
+        """The leader's child opens the round's store (what the leader would do right after matchmaking)."""
+        self.conn.send(("listen", port))
+        self._expect("listen")
+
+    def open_round(self, port: int) -> None:
+        self.conn.send(("round", port))
+        self._expect("round")
+
+    def exchange(self, phase: str) -> None:
+        self.conn.send(("exchange", phase))
+        self._expect("exchange")
+
+    def close(self) -> None:
+        self.conn.send(("stop", None))
+        self.process.join(10)
+
+    def _expect(self, reply: str) -> None:
+        if not self.conn.poll(CHILD_REPLY_TIMEOUT_S):
+            raise TimeoutError(f"the transport child did not answer {reply!r} in {CHILD_REPLY_TIMEOUT_S}s")
+        answer = self.conn.recv()  # EOFError when the child died
+        if answer != reply:
+            raise RuntimeError(f"the transport child answered {answer!r}, not {reply!r}")
+
+
+def _transport_child_main(conn, rank: int, world: int, phases: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    conn.send("ready")
+    store = None
+    while True:
+        command, value = conn.recv()
+        if command == "stop":
+            break
+        if command == "listen":
+            store = dist.TCPStore("127.0.0.1", value, world, is_master=True, wait_for_workers=False)
+        elif command == "round":  # a new group every round: the round's members, at its leader's rendezvous
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if store is None:
+                store = dist.TCPStore("127.0.0.1", value, world, is_master=False)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+            store = None
+        else:
+            _exchange(dist, *phases[value])
+        conn.send(command)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def probe_main(args: argparse.Namespace) -> None:
@@ -186,11 +310,7 @@ def _all_gather_leaves(dist, leaves: tuple[bytes, ...], world: int) -> list[list
 
 def start_ranks(world: int, options: list[str], timeout: float) -> tuple[int | None, str]:
     """Run ``world`` ranks of this module with ``options``; rank 0's exit status and stdout."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(REPO_ROOT))
     command = [sys.executable, "-m", "benchmarks.dataplane", *options, "--world", str(world), "--port", str(port)]
     ranks = [subprocess.Popen([*command, "--rank", str(r)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
@@ -227,8 +347,11 @@ def run_world(world: int, args: argparse.Namespace) -> dict:
     result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     rows = result["rows"]
     gloo, plane = median([r["gloo_s"] for r in rows]), median([r["dataplane_s"] for r in rows])
+    child, setup = median([r["child_s"] for r in rows]), median([r["child_round_setup_s"] for r in rows])
     return dict(peers=world, size=args.size, codec="fp16", gloo_s=gloo, dataplane_s=plane,
-                dataplane_over_gloo=ratio(plane, gloo), identical=all(r["identical"] for r in rows),
+                dataplane_over_gloo=ratio(plane, gloo), child_s=child, child_round_setup_s=setup,
+                child_over_gloo=ratio(child + setup, gloo), child_respawn_s=result["child_respawn_s"],
+                identical=all(r["identical"] for r in rows),
                 max_abs_error=max(r["max_abs_error"] for r in rows), repeats=rows)
 
 
@@ -258,9 +381,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = [run_world(world, args) for world in peers]
     probe = oversize_probe(args.timeout)
     worst = max(r["dataplane_over_gloo"] for r in rows)
+    worst_child = max(r["child_over_gloo"] for r in rows)
     emit(dict(benchmark="dataplane", quick=args.quick, machine=machine, seconds=time.monotonic() - started,
               rows=rows, oversize_probe=probe, summary=dict(goal_over_gloo=DEFAULT_GOAL, worst_over_gloo=worst,
-                                      goal_met=worst <= DEFAULT_GOAL,
+                                      goal_met=worst <= DEFAULT_GOAL, worst_child_over_gloo=worst_child,
+                                      child_goal_met=worst_child <= DEFAULT_GOAL,
                                       all_identical=all(r["identical"] for r in rows),
                                       safe_among_untrusted_peers=probe["receiver_survived"])))
 
