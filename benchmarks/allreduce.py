@@ -29,7 +29,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import REPO_ROOT, butterfly_bytes, emit, machine_info, median, ratio, setup_logging
+from benchmarks.common import REPO_ROOT, butterfly_bytes, emit, free_port, machine_info, median, ratio, setup_logging
 
 log = logging.getLogger("benchmarks.allreduce")
 
@@ -275,12 +274,6 @@ def stop_workers(workers: list[Worker], timeout_s: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             pass
         worker.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GlooGroup:

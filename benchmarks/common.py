@@ -16,6 +16,7 @@ import os
 import platform
 import queue
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -208,3 +209,10 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous the benchmark starts next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

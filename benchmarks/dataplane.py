@@ -47,7 +47,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks.common import REPO_ROOT, emit, machine_info, median, ratio, setup_logging
+from benchmarks.common import REPO_ROOT, emit, free_port, machine_info, median, ratio, setup_logging
 
 DEFAULT_GOAL = 3.0
 PROBE_POSTED_BYTES = 1024
@@ -167,7 +167,7 @@ def rank_main(args: argparse.Namespace) -> None:
         contribution = encode_contribution(codec, x)
         output, seconds = butterfly(contribution, in_process)
         digests = _all_gather_bytes(dist, hashlib.sha256(output.numpy().tobytes()).digest(), world)
-        port = torch.tensor([_free_port() if rank == 0 else 0])  # the round's rendezvous, as its leader announces
+        port = torch.tensor([free_port() if rank == 0 else 0])  # the round's rendezvous, as its leader announces
         dist.broadcast(port, 0)
         started = time.perf_counter()
         if rank == 0:  # the leader's store listens before any member connects (no client retry back-off)
@@ -194,14 +194,6 @@ def _exchange(dist, sends: dict[int, torch.Tensor], receives: dict[int, torch.Te
     work += [dist.isend(tensor, dst=peer) for peer, tensor in sends.items()]
     for w in work:
         w.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _TransportChild:
@@ -310,7 +302,7 @@ def _all_gather_leaves(dist, leaves: tuple[bytes, ...], world: int) -> list[list
 
 def start_ranks(world: int, options: list[str], timeout: float) -> tuple[int | None, str]:
     """Run ``world`` ranks of this module with ``options``; rank 0's exit status and stdout."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(REPO_ROOT))
     command = [sys.executable, "-m", "benchmarks.dataplane", *options, "--world", str(world), "--port", str(port)]
     ranks = [subprocess.Popen([*command, "--rank", str(r)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
