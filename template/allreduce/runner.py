@@ -428,7 +428,7 @@ class CheckedAllReduceRunner:
                 await self._ban_sender(remote)
             if not isinstance(e, Exception):
                 raise  # CancelledError and the like
-            logger.debug("caught %r when serving %s", e, remote, exc_info=True)
+            logger.warning("serving %s failed (it loses our range): %r", remote, e, exc_info=True)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
         finally:
             self._mark_served(remote)
