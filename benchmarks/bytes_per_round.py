@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     # bytes depend only on the model's shapes and the codec: short windows and batches keep the runs fast
     peer_args = ["--preset", "tiny", "--data", data, "--seq-len", "32", "--batch-size", "2",
                  "--inner-steps", str(inner_steps), "--rounds", str(rounds), "--heldout-batches", "0",
-                 "--matchmaking-time", "2" if quick else "5", "--join-timeout", "60"]
+                 "--matchmaking-time", "4" if quick else "5", "--join-timeout", "60"]
     result: dict[str, Any] = dict(benchmark="bytes_per_round", machine=machine_info(), quick=quick,
                                   settings=dict(data=data_name(data), peers=peers, inner_steps=inner_steps,
                                                 rounds=rounds, codecs=codecs, model="tiny"))
