@@ -32,7 +32,7 @@ What happens when things go wrong:
   (:class:`FetchTimeoutError`, a ``TimeoutError``). A peer that cannot be dialed or drops the stream mid-answer raises
   :class:`TransportError` (a ``ConnectionError``) once ``attempts`` fetches in a row broke that way: a fetch is
   idempotent, and on a loaded machine a libp2p stream sometimes ends early (CI, two cores: 2 payload streams cut
-  mid-frame in one run of the suite; 0 of 23 with a slow reader here), which must not cost an honest miner its round.
+  mid-frame in one run of the suite; 0 of 33 with a slow reader here), which must not cost an honest miner its round.
   Nothing from a failed fetch is kept.
 """
 
