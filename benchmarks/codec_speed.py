@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.common import benchmark_parser, emit, machine_info, parse_benchmark_args
 from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, SparseCodec, encode_segments, get_codec
-from template.allreduce.reduction import SegmentInput, reduce_segment, weight_cap
+from template.allreduce.reduction import OwnerRule, SegmentInput, reduce_segment, weight_cap
 
 
 def timed(repeats: int, function, *args) -> tuple[Any, float]:
@@ -120,7 +120,7 @@ def reduce_share(codec: SegmentCodec, numel: int, peers: int, repeats: int) -> f
         for index in range(len(encoded[0])):
             start = index * codec.segment_values
             inputs = [SegmentInput(s, encoded[s][index], 1.0) for s in range(peers)]
-            reduce_segment(inputs, min(codec.segment_values, numel - start), codec, weights, 3.0, cap)
+            reduce_segment(inputs, min(codec.segment_values, numel - start), codec, weights, OwnerRule(), cap)
 
     return timed(repeats, run)[1]
 

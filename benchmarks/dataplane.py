@@ -67,7 +67,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from template.allreduce.codecs import all_finite, get_codec
     from template.allreduce.contribution import encode_contribution, leaf_digest
     from template.allreduce.messages import certificate_bytes, segments_digest
-    from template.allreduce.reduction import SegmentInput, reduce_segment, weight_cap
+    from template.allreduce.reduction import OwnerRule, SegmentInput, reduce_segment, weight_cap
     from template.allreduce.terms import SegmentLayout
     from template.p2p.keys import ephemeral_signer, verify_signature
 
@@ -116,7 +116,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 if leaf_digest(data) != leaves[s][k]:
                     raise RuntimeError(f"segment {k} of sender {s} does not match its leaf")
                 inputs.append(SegmentInput(s, data, weights[s]))
-            averaged.append(reduce_segment(inputs, layout.numel_of(k), codec, weights, 3.0, cap).data)
+            averaged.append(reduce_segment(inputs, layout.numel_of(k), codec, weights, OwnerRule(), cap).data)
             offset += length
         digest = segments_digest(averaged)
         signature = signer.sign(certificate_bytes("bench", 0, b"group", rank, start, stop, digest, bytes(32)))

@@ -69,6 +69,7 @@ from template.allreduce.contribution import (
     sign_statements,
 )
 from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
+from template.allreduce.reduction import OwnerRule
 from template.allreduce.terms import AllReduceFaults, SegmentLayout
 from template.p2p.keys import ephemeral_signer, verify_signature
 
@@ -93,6 +94,7 @@ class AveragingConfig:
     compression: str = "fp16"  # one of codecs.CODEC_NAMES; the codec itself is given to the averager
     confirmation_time: float = 3.0  # how long members wait for each other's confirmation after the all-reduce
     norm_clip_multiple: float | None = 3.0  # None or 0: no norm clipping (validation still applies)
+    value_bound_multiple: float | None = 3.0  # None or 0: no bound on single values (reduction.OwnerRule)
     auxiliary: bool = False  # validators: contribute nothing, receive the average
     # per-peer allowances of the handlers anyone who reaches our host may call (a peer sends a few join requests
     # per round and downloads our state when it (re)joins; a flood beyond these is refused)
@@ -113,12 +115,16 @@ class AveragingConfig:
                 raise ValueError(f"{name} must be > 0: an unset timeout lets a dead peer hang the round")
         if self.request_timeout >= self.matchmaking_time:
             raise ValueError("request_timeout must be < matchmaking_time (hivemind matchmaking can deadlock otherwise)")
-        if self.norm_clip_multiple is not None and self.norm_clip_multiple < 0:
-            raise ValueError("norm_clip_multiple must be None or >= 0")
+        OwnerRule(self.norm_clip_multiple, self.value_bound_multiple)  # ValueError for a multiple out of range
         if self.confirmation_time < 0:
             raise ValueError("confirmation_time must be >= 0")
         if self.max_join_requests_per_minute < 1 or self.max_state_downloads_per_minute < 1:
             raise ValueError("the per-peer allowances must be >= 1 per minute")
+
+    @property
+    def owner_rule(self) -> OwnerRule:
+        """The bounds an owner applies to every contribution (and a validator's audit with it)."""
+        return OwnerRule(self.norm_clip_multiple, self.value_bound_multiple)
 
 
 @dataclass
@@ -214,7 +220,7 @@ class PseudoGradientAverager:
             bandwidth=0.0 if config.auxiliary else None,  # auxiliaries own no share of the vector
             allow_state_sharing=state_provider is not None,
             shutdown_timeout=config.shutdown_timeout,
-            norm_clip_multiple=config.norm_clip_multiple,
+            owner_rule=config.owner_rule,
             state_provider=state_provider,
             max_join_requests_per_minute=config.max_join_requests_per_minute,
             max_state_downloads_per_minute=config.max_state_downloads_per_minute,

@@ -56,6 +56,7 @@ from template.allreduce.contribution import (
     encoded_sizes,
 )
 from template.allreduce.evidence import AllReduceReport
+from template.allreduce.reduction import OwnerRule
 from template.allreduce.relay import HeldShares
 from template.allreduce.runner import CheckedAllReduceRunner
 from template.allreduce.terms import AllReduceFaults, OwnContribution, RoundTerms, SegmentLayout
@@ -160,14 +161,14 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         signer: Signer | None,
         verify: Verifier,
         faults: AllReduceFaults,
-        norm_clip_multiple: float | None,
+        owner_rule: OwnerRule,
         state_provider: StateProvider | None,
         max_join_requests_per_minute: int,
         max_state_downloads_per_minute: int,
         **kwargs,
     ):
         self._buffer, self._signer, self._verify, self._faults = buffer, signer, verify, faults
-        self._norm_clip_multiple = norm_clip_multiple
+        self._owner_rule = owner_rule
         self._state_provider = state_provider
         self._allreduce_budget = kwargs["allreduce_timeout"]  # hivemind cancels a group's all-reduce after it
         self._join_limiter = RateLimiter(max_join_requests_per_minute)  # lives in the averager process
@@ -235,7 +236,7 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
             announced_weights=[m.weight for m in members],
             terms=self._terms(me, members),
             own=None if me.mode == AveragingMode.AUX else self._buffer.read(contribution),
-            clip_multiple=self._norm_clip_multiple,
+            rule=self._owner_rule,
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
             deadline=deadline,

@@ -5,11 +5,18 @@ Given the contributions that reached the owner for one segment (already checked 
 
 1. drops contributions whose bytes do not decode, whose values are not finite, or whose weight differs from the
    weight the sender announced at matchmaking;
-2. clips each remaining contribution's L2 norm to ``clip_multiple`` × the *lower* median of their norms (the lower
-   median, so that in a group of two an inflated Δ is clipped to the honest one's scale), and caps each sender's
-   weight at :data:`WEIGHT_CAP_MULTIPLE` × the lower median of the weights announced at matchmaking
+2. clips each remaining contribution's L2 norm to ``rule.norm_clip_multiple`` × the *lower* median of their norms
+   (the lower median, so that in a group of two an inflated Δ is clipped to the honest one's scale), and caps each
+   sender's weight at :data:`WEIGHT_CAP_MULTIPLE` × the lower median of the weights announced at matchmaking
    (:func:`weight_cap`: a peer announcing 1e300 tokens would otherwise set the direction of the average alone);
-3. takes the weighted mean, accumulated in float64 in a fixed order (the senders' order in the group), and encodes
+3. bounds every value: no (clipped) contribution's value may exceed ``rule.value_bound_multiple`` × the lower median
+   of the contributions' largest magnitudes in this segment (:func:`value_bound`); a larger one is clamped to it and
+   its sender is named in ``bounded``. The norm clip alone lets a contribution of an honest norm put most of it into
+   a few coordinates, which then move θ far beyond what training moves any coordinate, every round. Measured on
+   real DiLoCo rounds (``benchmarks.influence``, docs/benchmarks.md §8), an honest contribution's largest value is at
+   most ~1.6 × the lower median of its group's largest values, so 3 × bounds any one sender's pull on a coordinate to
+   about what honest training does without ever touching honest work;
+4. takes the weighted mean, accumulated in float64 in a fixed order (the senders' order in the group), and encodes
    it once with the codec's ``encode_average``. For a codec whose ``mean_of_kept`` is set (``sparse`` by default),
    each value is the mean over the senders that kept it (nonzero) rather than over all of them.
 
@@ -34,6 +41,21 @@ WEIGHT_CAP_MULTIPLE = 4.0
 
 
 @dataclass(frozen=True)
+class OwnerRule:
+    """How far one contribution may reach (module docstring, steps 2 and 3); None or 0 turns a bound off. Every
+    owner of a run and every validator auditing it must use the same rule: the audit recomputes its bytes."""
+
+    norm_clip_multiple: float | None = 3.0
+    value_bound_multiple: float | None = 3.0
+
+    def __post_init__(self) -> None:
+        for name in ("norm_clip_multiple", "value_bound_multiple"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be None or a finite number >= 0, not {value}")
+
+
+@dataclass(frozen=True)
 class SegmentInput:
     """One sender's encoded bytes for one segment, with the weight it sent along."""
 
@@ -49,6 +71,7 @@ class ReducedSegment:
     weight: float  # their total (capped) weight
     dropped: tuple[tuple[int, str], ...]  # (sender, why) for contributions that did not count
     clipped: tuple[tuple[int, float], ...]  # (sender, factor) for contributions whose norm was clipped
+    bounded: tuple[tuple[int, int], ...] = ()  # (sender, how many of its values) for contributions clamped in step 3
 
 
 class NoValidContribution(ValueError):
@@ -65,6 +88,13 @@ def weight_cap(announced: Sequence[float | None]) -> float:
     announced at matchmaking (the same for every owner: everyone sees the same announcements)."""
     positive = [w for w in announced if w is not None and math.isfinite(w) and w > 0]
     return WEIGHT_CAP_MULTIPLE * lower_median(positive) if positive else math.inf
+
+
+def value_bound(largest: Sequence[float], multiple: float | None) -> float:
+    """The most any value may weigh in a segment: ``multiple`` × the lower median of the senders' largest magnitudes
+    (those above 0: a sender that sent nothing must not pull the bound to 0); inf when off or nothing is positive."""
+    positive = [m for m in largest if m > 0]
+    return multiple * lower_median(positive) if multiple and positive else math.inf
 
 
 def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float], factors: Sequence[float] | None = None,
@@ -87,7 +117,7 @@ def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float], fact
 
 
 def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCodec,
-                   announced: Sequence[float | None], clip_multiple: float | None, cap: float) -> ReducedSegment:
+                   announced: Sequence[float | None], rule: OwnerRule, cap: float) -> ReducedSegment:
     """The owner's rule (module docstring). ``announced[s]`` is sender s's weight from matchmaking (None when its
     announcement was malformed); raises NoValidContribution when nothing counts."""
     valid: list[tuple[int, torch.Tensor, float]] = []
@@ -111,14 +141,30 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
     norms = [float(torch.linalg.vector_norm(values, dtype=torch.float64)) for _, values, _ in valid]
     factors = [1.0] * len(valid)
     clipped: list[tuple[int, float]] = []
-    if clip_multiple:
-        bound = clip_multiple * lower_median(norms)
+    if rule.norm_clip_multiple:
+        bound = rule.norm_clip_multiple * lower_median(norms)
         for i, norm in enumerate(norms):
             if norm > bound:
                 factors[i] = bound / norm
                 clipped.append((valid[i][0], factors[i]))
+    values, bounded = _bounded_values([v for _, v, _ in valid], factors, rule.value_bound_multiple)
     total = sum(weight for _, _, weight in valid)
-    mean = weighted_mean([v for _, v, _ in valid], [w for _, _, w in valid], factors,
-                         mean_of_kept=codec.mean_of_kept).to(torch.float32)
+    mean = weighted_mean(values, [w for _, _, w in valid], factors, mean_of_kept=codec.mean_of_kept).to(torch.float32)
     return ReducedSegment(codec.encode_average(mean), tuple(s for s, _, _ in valid), total, tuple(dropped),
-                          tuple(clipped))
+                          tuple(clipped), tuple((valid[i][0], count) for i, count in bounded))
+
+
+def _bounded_values(values: list[torch.Tensor], factors: list[float],
+                    multiple: float | None) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Step 3 of the rule: each contribution with a value whose clipped magnitude exceeds :func:`value_bound`,
+    clamped to it (in its own unclipped scale, so that the mean's arithmetic is unchanged for everyone else), and
+    (index, how many values were clamped) for each such contribution."""
+    largest = [float(v.abs().max()) * f if v.numel() else 0.0 for v, f in zip(values, factors, strict=True)]
+    bound = value_bound(largest, multiple)
+    bounded: list[tuple[int, int]] = []
+    for i, (peak, factor) in enumerate(zip(largest, factors, strict=True)):
+        if peak > bound:
+            limit = bound / factor
+            bounded.append((i, int(values[i].abs().gt(limit).sum())))
+            values[i] = values[i].clamp(-limit, limit)
+    return values, bounded

@@ -79,7 +79,7 @@ from template.allreduce.messages import (
     certificate_bytes,
     segments_digest,
 )
-from template.allreduce.reduction import SegmentInput
+from template.allreduce.reduction import OwnerRule, SegmentInput
 from template.allreduce.relay import HeldShares, share_message
 from template.allreduce.segment_reducer import Contribution, SegmentReducer, SegmentResult
 from template.allreduce.terms import OwnContribution, RoundTerms
@@ -111,7 +111,7 @@ class CheckedAllReduceRunner:
         announced_weights: Sequence[float | None],
         terms: RoundTerms,
         own: OwnContribution | None,
-        clip_multiple: float | None,
+        rule: OwnerRule,
         sender_timeout: float,
         reducer_timeout: float,
         deadline: float | None = None,
@@ -150,7 +150,7 @@ class CheckedAllReduceRunner:
             [str(p) for p in self.sender_peer_ids],
             [weight_by_peer[p] for p in self.sender_peer_ids],
             terms.codec,
-            clip_multiple,
+            rule,
         )
         # ``output``: where the averages go (the averager lends the same buffer every round: a fresh 40 MB block for
         # 10M values costs ~17 ms of page faults). Never zeroed: only a registered segment is ever read, and the

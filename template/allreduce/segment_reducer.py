@@ -5,8 +5,9 @@ Protocol part: in a butterfly all-reduce each reducing peer *owns* a contiguous 
 its signed root before handing it here). For each owned segment, :class:`SegmentReducer` waits for every live
 sender, then applies the owner's rule (:func:`template.allreduce.reduction.reduce_segment`: drop what does not decode,
 is not finite or carries another weight than announced; clip norms to a multiple of the lower median; cap weights;
-float64 weighted mean; encode once), and hands out the same :class:`~template.allreduce.messages.AveragedSegment`
-— with the senders it includes and the refusals it can prove — for every member of the group.
+bound single values to a multiple of the lower median of the senders' largest; float64 weighted mean; encode once),
+and hands out the same :class:`~template.allreduce.messages.AveragedSegment` — with the senders it includes and the
+refusals it can prove — for every member of the group.
 
 What is guaranteed when a sender disappears or misbehaves:
 
@@ -33,7 +34,7 @@ from hivemind.averaging.partition import AllreduceException, BannedException
 
 from template.allreduce.codecs import SegmentCodec, all_finite
 from template.allreduce.messages import AveragedSegment, Refusal
-from template.allreduce.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
+from template.allreduce.reduction import NoValidContribution, OwnerRule, SegmentInput, reduce_segment, weight_cap
 
 __all__ = ["SegmentReducer", "Contribution", "SegmentResult"]
 
@@ -69,11 +70,11 @@ class SegmentReducer:
         sender_names: Sequence[str],
         announced_weights: Sequence[float | None],
         codec: SegmentCodec,
-        clip_multiple: float | None,
+        rule: OwnerRule,
     ):
         self.segment_numels, self.num_segments = tuple(segment_numels), len(segment_numels)
         self.sender_names, self.num_senders = tuple(sender_names), len(sender_names)
-        self.announced_weights, self.codec, self.clip_multiple = tuple(announced_weights), codec, clip_multiple
+        self.announced_weights, self.codec, self.rule = tuple(announced_weights), codec, rule
         # the same for every owner (everyone sees the same announced weights), so every segment is weighted alike
         self.weight_cap = weight_cap(announced_weights)
         loop = asyncio.get_event_loop()
@@ -84,6 +85,7 @@ class SegmentReducer:
         self.finished = asyncio.Event()
         self.dropped: list[tuple[str, int, str]] = []  # (sender, segment, reason)
         self.clipped: list[tuple[str, int, float]] = []  # (sender, segment, factor)
+        self.bounded: list[tuple[str, int, int]] = []  # (sender, segment, values clamped)
         self._pending: dict[int, Contribution] = {}
         self._reducing: asyncio.Task | None = None
         if self.num_segments == 0:
@@ -161,7 +163,7 @@ class SegmentReducer:
         refusals = tuple(c.refusal for c in contributions if c.refusal is not None)
         try:
             reduced = reduce_segment(inputs, self.segment_numels[segment], self.codec, self.announced_weights,
-                                     self.clip_multiple, self.weight_cap)
+                                     self.rule, self.weight_cap)
         except NoValidContribution:
             raise AllreduceException("no valid contribution") from None
         for sender, reason in reduced.dropped:
@@ -170,6 +172,9 @@ class SegmentReducer:
         for sender, factor in reduced.clipped:
             self.clipped.append((self.sender_names[sender], segment, factor))
             logger.info("clipped segment %d from %s by %.3g", segment, self.sender_names[sender], factor)
+        for sender, count in reduced.bounded:
+            self.bounded.append((self.sender_names[sender], segment, count))
+            logger.warning("bounded %d values of segment %d from %s", count, segment, self.sender_names[sender])
         decoded = self.codec.decode_average(reduced.data, self.segment_numels[segment])
         if not all_finite(decoded):
             raise AllreduceException("the average is not finite")

@@ -12,7 +12,9 @@ A miner's publication of round r must be *exactly* what it contributed to round 
   committed (else the owner framed it), two validly signed certificates of one owner that differ prove that it sent
   different members different bytes, and every averaged segment is recomputed bit for bit from the publications with
   the reducer's own rule (:func:`template.allreduce.reduction.reduce_segment`) — which is what checks an owner's own
-  share, the one contribution that never crosses the wire.
+  share, the one contribution that never crosses the wire. The same recomputation shows which senders' values the
+  rule had to bound (a value beyond ``value_bound_multiple`` × the lower median of the senders' largest): such a
+  sender is convicted on its own signed bytes — honest training stays far inside the bound (docs/benchmarks.md §8).
 
 Every accusation rests on something the accused signed (a commitment, a statement, a certificate) or on a
 deterministic recomputation from bytes its victims signed; there is no accusation on anyone's word. What cannot be
@@ -43,7 +45,7 @@ from template.allreduce.contribution import (
     shaped,
     statement_bytes,
 )
-from template.allreduce.reduction import NoValidContribution, SegmentInput, reduce_segment, weight_cap
+from template.allreduce.reduction import NoValidContribution, OwnerRule, SegmentInput, reduce_segment, weight_cap
 from template.p2p.keys import verify_signature
 from template.p2p.publication import Publication
 
@@ -107,7 +109,7 @@ class AuditResult:
 
 
 def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequence[bytes]], codec: SegmentCodec,
-                    scope: str, round: int, clip_multiple: float | None) -> AuditResult:
+                    scope: str, round: int, rule: OwnerRule) -> AuditResult:
     """Check the round's all-reduce from the validator's view of it against the verified publications
     (``segments_by_peer``: peer id → the segments it committed and published; module docstring)."""
     evidence, outcome = result.evidence, AuditResult()
@@ -141,10 +143,15 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
                   for s in record.included]
         numel = _segment_numel(codec, commitments, segment)
         try:
-            expected = reduce_segment(inputs, numel, codec, announced, clip_multiple, cap)
+            expected = reduce_segment(inputs, numel, codec, announced, rule, cap)
         except NoValidContribution:
             expected = None
         outcome.segments_checked += 1
+        for sender, count in expected.bounded if expected is not None else ():
+            outcome.accused.setdefault(senders[sender], f"moved {count} values of segment {segment} beyond the "
+                                                        f"owner's bound ({rule.value_bound_multiple} × the lower "
+                                                        "median of the senders' largest; recomputed from the "
+                                                        "publications)")
         if expected is None or hashlib.sha256(expected.data).digest() != record.digest \
                 or tuple(expected.included) != record.included:
             outcome.accused.setdefault(owner, f"returned a wrong average for segment {segment} (recomputed from "

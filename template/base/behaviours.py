@@ -23,6 +23,8 @@ attacks or training strategies (``--miner.behaviour my_module:MyBehaviour``, a s
 | equivocator    | its assigned windows             | segments other than those it committed | what it committed      |
 | liar-reducer   | its assigned windows             | its Δ; as an owner, wrong averages     | what it contributed    |
 | framer         | its assigned windows             | its Δ; as an owner, refuses a sender   | what it contributed    |
+| concentrated   | its assigned windows             | its Δ with ``share`` (0.5) of its norm  | what it contributed    |
+|                |                                  | moved into ``values`` (8) coordinates  |                        |
 
 :attr:`MinerBehaviour.honest` marks the behaviours that do honest work (``honest``, ``skips-one``, and a plug-in that
 sets it or subclasses :class:`Honest`): the local network's report judges the model and the rounds by those miners.
@@ -323,23 +325,45 @@ class Framer(MinerBehaviour):
     allreduce_faults = AllReduceFaults(frame=True)
 
 
+class Concentrated(MinerBehaviour):
+    """Trains honestly, then moves ``share`` of its Δ's squared norm into ``values`` coordinates of its largest tensor
+    — the same coordinates, pushed the same way, every round — and scales the rest down so that the total norm stays
+    its honest one: an edit of θ that no norm check sees, which would accumulate in θ at its token share every round
+    (the attack behind :class:`template.allreduce.reduction.OwnerRule`'s value bound)."""
+
+    name = "concentrated"
+
+    def __init__(self, values: int = 8, share: float = 0.5) -> None:
+        if values < 1 or not 0 < share < 1:
+            raise ValueError(f"concentrated: need values >= 1 and a share within (0, 1), not {values} and {share}")
+        self.values, self.share = values, share
+
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in delta]))
+        target = max(range(len(delta)), key=lambda i: delta[i].numel())
+        edited = [t * (1 - self.share) ** 0.5 for t in delta]
+        flat = edited[target].view(-1)
+        count = min(self.values, flat.numel())
+        flat[torch.linspace(0, flat.numel() - 1, count).long()] = norm * (self.share / count) ** 0.5
+        return edited
+
+
 BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Overfitter, Copycat, NoisyAverage,
                                       StaleAverage, Partial, TwoFaced, TwoFacedZero, Equivocator, LiarReducer,
-                                      SplitLiarReducer, Framer, SkipsOne)}
-# the built-ins that take an option, and which (``--miner.rel``, ``--miner.fraction``)
-OPTIONS = {NoisyAverage: "rel", StaleAverage: "rel", Partial: "fraction"}
+                                      SplitLiarReducer, Framer, SkipsOne, Concentrated)}
+# the built-ins that take options, and which (``--miner.rel``, ``--miner.fraction``, ``--miner.values``, ...)
+OPTIONS = {NoisyAverage: ("rel",), StaleAverage: ("rel",), Partial: ("fraction",), Concentrated: ("values", "share")}
 
 
-def load_behaviour(spec: str, *, rel: float | None = None, fraction: float | None = None) -> MinerBehaviour:
+def load_behaviour(spec: str, **options: float | int | None) -> MinerBehaviour:
     """A built-in name (``honest``, ``copycat``, ...) or ``module:Class``; ValueError with the choices otherwise.
 
-    ``rel`` and ``fraction`` reach the built-ins that take them (:data:`OPTIONS`); None keeps their defaults.
+    ``options`` (``rel``, ``fraction``, ``values``, ``share``) reach the built-ins that take them (:data:`OPTIONS`);
+    None keeps their defaults.
     """
     if spec in BUILTIN:
         cls = BUILTIN[spec]
-        options = {"rel": rel, "fraction": fraction}
-        option = OPTIONS.get(cls)
-        return cls(**{option: options[option]}) if option and options[option] is not None else cls()
+        return cls(**{name: options[name] for name in OPTIONS.get(cls, ()) if options.get(name) is not None})
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise ValueError(f"unknown behaviour {spec!r}: use one of {sorted(BUILTIN)} or module:Class")

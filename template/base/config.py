@@ -96,10 +96,14 @@ class MinerSettings:
     rel: float | None = _help("noise relative to the copied average's norm, for noisy-average and stale-average "
                               "(default 0.15)", default=None)
     fraction: float | None = _help("share of the inner steps a partial miner runs (default 0.5)", default=None)
+    values: int | None = _help("coordinates a concentrated miner moves its norm into (default 8)", default=None)
+    share: float | None = _help("share of its squared norm a concentrated miner moves there (default 0.5)",
+                                default=None)
 
     def load(self) -> MinerBehaviour:
         """The behaviour these settings name; ValueError for an unknown name or an option out of range."""
-        return load_behaviour(self.behaviour, rel=self.rel, fraction=self.fraction)
+        return load_behaviour(self.behaviour, rel=self.rel, fraction=self.fraction, values=self.values,
+                              share=self.share)
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,8 @@ def add_miner_args(parser: argparse.ArgumentParser, behaviours: list[str]) -> No
                        help=spec.metadata["help"].replace("a built-in name", ", ".join(behaviours)))
     _add(group, "--miner.rel", MinerSettings, "rel", type=float)
     _add(group, "--miner.fraction", MinerSettings, "fraction", type=float)
+    _add(group, "--miner.values", MinerSettings, "values", type=int)
+    _add(group, "--miner.share", MinerSettings, "share", type=float)
 
 
 def add_validator_args(parser: argparse.ArgumentParser) -> None:

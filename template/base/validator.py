@@ -262,7 +262,7 @@ class Validator:
         segments = {peers[hotkey]: r.segments for hotkey, r in read.items()
                     if r.tensors is not None and hotkey in peers}
         outcome = audit_allreduce(result, segments, self.peer.codec, self.peer.scope, pending.round,
-                                  self.peer.averaging_config.norm_clip_multiple)
+                                  self.peer.averaging_config.owner_rule)
         hotkeys = {peer_id: hotkey for hotkey, peer_id in peers.items()}
         self._audited = (outcome.segments_checked, outcome.segments_unchecked)
         accused = {hotkeys[peer]: f"convicted by the all-reduce: {why}" for peer, why in outcome.accused.items()

@@ -29,6 +29,7 @@ from template.allreduce.averager_process import CheckedAverager
 from template.allreduce.codecs import get_codec
 from template.allreduce.contribution import encode_contribution
 from template.allreduce.messages import ShareCertificate, ShareRequest, segments_digest
+from template.allreduce.reduction import OwnerRule
 from template.allreduce.runner import CheckedAllReduceRunner
 from template.allreduce.terms import OwnContribution, RoundTerms, SegmentLayout
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
@@ -156,7 +157,7 @@ def test_an_outsiders_parts_are_refused_by_the_group():
         runner = CheckedAllReduceRunner(
             p2p=_Host(me), servicer_type=CheckedAverager, prefix="run", group_id=b"group", weight=1.0,
             ordered_peer_ids=[me, member], peer_fractions=(0.5, 0.5), modes=[AveragingMode.NODE] * 2,
-            announced_weights=[1.0, 1.0], terms=terms, own=own, clip_multiple=3.0, sender_timeout=1.0,
+            announced_weights=[1.0, 1.0], terms=terms, own=own, rule=OwnerRule(), sender_timeout=1.0,
             reducer_timeout=1.0,
         )
         part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group", weight=1.0)

@@ -29,10 +29,11 @@ from hivemind.utils import get_dht_time
 
 from template.allreduce.averager import AveragingConfig, AveragingResult, PseudoGradientAverager
 from template.allreduce.codecs import get_codec
-from template.allreduce.reduction import WEIGHT_CAP_MULTIPLE, SegmentInput
+from template.allreduce.reduction import WEIGHT_CAP_MULTIPLE, OwnerRule, SegmentInput
 from template.allreduce.segment_reducer import Contribution, SegmentReducer
 from template.allreduce.terms import AllReduceFaults
 from template.base.audit import audit_allreduce
+from template.base.behaviours import Concentrated
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
 from tests.integration.p2p_helpers import AVERAGER_CHILD_PREAMBLE
 
@@ -258,7 +259,7 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
         codec = peers[2].codec
     validator = results[2]
     published = {ids[i]: contributions[i].segments for i in range(2)}
-    outcome = audit_allreduce(validator, published, codec, config.prefix, 0, config.norm_clip_multiple)
+    outcome = audit_allreduce(validator, published, codec, config.prefix, 0, config.owner_rule)
     segments = len(contributions[0].segments)
     if lie == "some":
         assert not any(r.ok for r in results), [r.reason for r in results]
@@ -271,6 +272,36 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
         assert max_error(validator.averaged, weighted_mean(deltas, WEIGHTS[:2])) <= codec_tolerance(codec, deltas)
     else:
         assert set(outcome.accused) == {ids[1]} and "wrong average" in outcome.accused[ids[1]], outcome
+
+
+@pytest.mark.timeout(120)
+def test_a_sender_that_concentrates_its_norm_is_bounded_by_every_owner_and_convicted_by_the_validator(dhts):
+    """A sender puts half of its honest-sized norm into 8 values (the `concentrated` miner): every owner clamps those
+    values to 3 × the lower median of the senders' largest in that segment, every member holds the same average, and
+    the validator's recomputation from the publications names that sender — and nobody else."""
+    config = fast_config()
+    configs = [config, config, dataclasses.replace(config, auxiliary=True)]
+    honest = random_deltas(0)
+    edited = Concentrated(values=8, share=0.5).contribution(0, random_deltas(1))
+    with averagers(dhts, configs) as peers:
+        contributions = [peer.contribute(delta) for peer, delta in zip(peers, [honest, edited], strict=False)]
+        results = average_all(peers, contributions + [None], WEIGHTS[:2] + [0.0])
+        ids = [peer.peer_id for peer in peers]
+        codec = peers[2].codec
+    assert all(r.ok for r in results) and len({digest(r.averaged) for r in results}) == 1, [r.reason for r in results]
+    published = {ids[i]: contributions[i].segments for i in range(2)}
+    outcome = audit_allreduce(results[2], published, codec, config.prefix, 0, config.owner_rule)
+    assert set(outcome.accused) == {ids[1]} and "beyond the owner's bound" in outcome.accused[ids[1]], outcome
+    assert outcome.segments_checked == len(contributions[0].segments)
+    # where the edit sits, θ moves by at most the honest value's share plus the bound's: 3 × the honest largest
+    target = edited[1].reshape(-1)
+    places = (target > 10 * honest[1].abs().max()).nonzero().flatten()
+    assert len(places) == 8
+    honest_largest = max(float(t.abs().max()) for t in honest)
+    moved = results[0].averaged[1].reshape(-1)[places].double()
+    assert float(moved.max()) <= (WEIGHTS[0] * honest_largest + WEIGHTS[1] * 3.0 * honest_largest) / sum(WEIGHTS[:2])
+    unbounded = float(target[places].min()) * WEIGHTS[1] / sum(WEIGHTS[:2])
+    assert float(moved.max()) < 0.2 * unbounded
 
 
 @pytest.mark.timeout(120)
@@ -484,7 +515,8 @@ def reduce_one_part(tensors, weights, clip=3.0, announced=None):
         return Contribution(i, SegmentInput(i, data, weight))
 
     async def run():
-        reducer = SegmentReducer([4], [f"peer{i}" for i in range(len(weights))], announced or weights, codec, clip)
+        reducer = SegmentReducer([4], [f"peer{i}" for i in range(len(weights))], announced or weights, codec,
+                                 OwnerRule(norm_clip_multiple=clip))
         results = await asyncio.gather(
             *(reducer.accumulate(contribution(i, t, w), 0) for i, (t, w) in enumerate(zip(tensors, weights,
                                                                                                  strict=True))),

@@ -8,6 +8,7 @@ import torch
 from template.allreduce.terms import AllReduceFaults
 from template.base.behaviours import (
     BUILTIN,
+    Concentrated,
     Copycat,
     Equivocator,
     Framer,
@@ -152,6 +153,27 @@ def test_two_faced_miners_publish_their_delta_and_contribute_something_else():
         assert all(torch.equal(p, d) for p, d in zip(published, delta, strict=True))
 
 
+def test_concentrated_moves_a_share_of_its_honest_norm_into_the_same_few_coordinates_every_round():
+    behaviour = Concentrated(values=3, share=0.6)
+    places = []
+    for round in (0, 1):
+        delta = deltas(round)
+        contributed = behaviour.contribution(round, delta)
+        norm = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in delta])))
+        flat = contributed[0].reshape(-1)  # the largest tensor (12 values) holds the edit
+        edited = flat > 0.4 * norm  # each edited value is √(0.6 / 3) ≈ 0.45 of the norm
+        places.append(edited.nonzero().flatten().tolist())
+        assert len(places[-1]) == 3
+        assert float(flat[edited].pow(2).sum()) == pytest.approx(0.6 * norm ** 2, rel=1e-5)
+        total = sum(float(t.pow(2).sum()) for t in contributed)
+        assert total == pytest.approx(norm ** 2, rel=0.15)  # about its honest norm (the 3 replaced values aside)
+        assert torch.allclose(contributed[1], delta[1] * 0.4 ** 0.5)  # the rest: the honest Δ, scaled down
+    assert places[0] == places[1]  # the same coordinates, pushed the same way: the edit accumulates in θ
+    for bad in ({"values": 0}, {"share": 1.0}, {"share": 0.0}):
+        with pytest.raises(ValueError):
+            Concentrated(**bad)
+
+
 def test_allreduce_attackers_carry_their_faults():
     assert Honest.allreduce_faults == AllReduceFaults()
     assert Equivocator.allreduce_faults.corrupt_segments
@@ -166,7 +188,7 @@ class Custom(MinerBehaviour):
 def test_behaviours_load_by_name_or_module_class_and_refuse_anything_else():
     assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "overfitter", "copycat", "noisy-average",
                             "stale-average", "partial", "twofaced", "twofaced-zero", "equivocator", "liar-reducer",
-                            "liar-reducer-some", "framer", "skips-one"}
+                            "liar-reducer-some", "framer", "skips-one", "concentrated"}
     # the behaviours that do honest work say so (the local network's report judges the model by them)
     assert {name for name, cls in BUILTIN.items() if cls.honest} == {"honest", "skips-one"}
     assert load_behaviour(f"{__name__}:Custom").honest is False  # a plug-in is honest when it says so
@@ -174,6 +196,8 @@ def test_behaviours_load_by_name_or_module_class_and_refuse_anything_else():
     assert load_behaviour("noisy-average", rel=0.3).rel == 0.3 and load_behaviour("stale-average").rel == 0.15
     assert load_behaviour("partial", fraction=0.1, rel=0.3).fraction == 0.1
     assert isinstance(load_behaviour("honest", rel=0.3, fraction=0.1), Honest)  # options reach only who takes them
+    concentrated = load_behaviour("concentrated", values=4, share=0.3, rel=0.3)
+    assert (concentrated.values, concentrated.share) == (4, 0.3)
     assert isinstance(load_behaviour(f"{__name__}:Custom"), Custom)
     for bad in ("cheater", "nosuchmodule:X", f"{__name__}:Nope", "torch:Tensor"):
         with pytest.raises(ValueError):

@@ -27,7 +27,7 @@ from template.allreduce.contribution import (
     sign_statements,
     statement_bytes,
 )
-from template.allreduce.reduction import SegmentInput, reduce_segment, weight_cap
+from template.allreduce.reduction import OwnerRule, SegmentInput, reduce_segment, weight_cap
 from template.p2p.keys import ephemeral_signer, verify_signature
 
 
@@ -99,14 +99,14 @@ def test_the_owners_rule_is_deterministic_and_checks_what_it_is_given():
     segments = [encode_contribution(codec, torch.randn(100) * (i + 1)).segments[0] for i in range(3)]
     inputs = [SegmentInput(i, data, 10.0) for i, data in enumerate(segments)]
     announced = [10.0, 10.0, 10.0]
-    first = reduce_segment(inputs, 100, codec, announced, 3.0, weight_cap(announced))
-    again = reduce_segment(list(reversed(inputs)), 100, codec, announced, 3.0, weight_cap(announced))
+    first = reduce_segment(inputs, 100, codec, announced, OwnerRule(), weight_cap(announced))
+    again = reduce_segment(list(reversed(inputs)), 100, codec, announced, OwnerRule(), weight_cap(announced))
     assert first == again and first.included == (0, 1, 2)
     lying = [SegmentInput(0, segments[0], 99.0), *inputs[1:]]  # another weight than announced: dropped
-    dropped = reduce_segment(lying, 100, codec, announced, 3.0, weight_cap(announced))
+    dropped = reduce_segment(lying, 100, codec, announced, OwnerRule(), weight_cap(announced))
     assert dropped.included == (1, 2) and "announced" in dropped.dropped[0][1]
     garbage = [SegmentInput(0, b"junk", 10.0), *inputs[1:]]
-    assert reduce_segment(garbage, 100, codec, announced, 3.0, weight_cap(announced)).included == (1, 2)
+    assert reduce_segment(garbage, 100, codec, announced, OwnerRule(), weight_cap(announced)).included == (1, 2)
 
 
 @pytest.mark.parametrize("mean_of", ["kept", "all"])
@@ -121,7 +121,7 @@ def test_a_sparse_owner_averages_each_value_over_the_senders_that_kept_it(mean_o
     rows[:, 8 + torch.arange(4)] = torch.eye(4) * 5.0  # chunk 1: each sender keeps another value
     weights = [1.0, 3.0, 2.0, 2.0]
     inputs = [SegmentInput(i, codec.encode(row), w) for i, (row, w) in enumerate(zip(rows, weights, strict=True))]
-    reduced = reduce_segment(inputs, 16, codec, weights, None, weight_cap(weights))
+    reduced = reduce_segment(inputs, 16, codec, weights, OwnerRule(None), weight_cap(weights))
     averaged = codec.decode_average(reduced.data, 16)
     if mean_of == "kept":
         expected = {1: (1 * 2.0 + 3 * 4.0) / 4, 3: 8.0, 0: -1.0, 8: 5.0, 9: 5.0, 10: 5.0, 11: 5.0}
@@ -129,5 +129,37 @@ def test_a_sparse_owner_averages_each_value_over_the_senders_that_kept_it(mean_o
         expected = {1: (1 * 2.0 + 3 * 4.0) / 8, 3: 2 * 8.0 / 8, 0: -2 * 1.0 / 8, 8: 5.0 / 8, 9: 15.0 / 8, 10: 10.0 / 8,
                     11: 10.0 / 8}
     assert {i: float(v) for i, v in enumerate(averaged) if v != 0} == pytest.approx(expected, rel=1e-3)
-    again = reduce_segment(list(reversed(inputs)), 16, codec, weights, None, weight_cap(weights))
+    again = reduce_segment(list(reversed(inputs)), 16, codec, weights, OwnerRule(None), weight_cap(weights))
     assert again.data == reduced.data  # deterministic: the senders' order, whatever order the inputs came in
+
+
+def test_the_owners_rule_bounds_each_value_to_the_groups_scale_and_leaves_honest_values_untouched():
+    """No value may exceed value_bound_multiple × the lower median of the senders' largest magnitudes: a sender that
+    put 80 % of its (honest-sized) norm into 2 values is clamped there and named; the others enter bit for bit as
+    without the bound, and a sender that sent nothing does not pull the bound to 0."""
+    codec = get_codec("fp16")
+    generator = torch.Generator().manual_seed(0)
+    honest = [torch.randn(256, generator=generator) for _ in range(3)]
+    edit = honest[2] * 0.2 ** 0.5
+    edit[:2] = float(torch.linalg.vector_norm(honest[2])) * (0.8 / 2) ** 0.5  # ~10, where honest values reach 3.4–4.1
+    rows = [honest[0], honest[1], edit, torch.zeros(256)]
+    inputs = [SegmentInput(i, encode_contribution(codec, row).segments[0], 1.0) for i, row in enumerate(rows)]
+    announced = [1.0] * 4
+    decoded = [codec.decode(item.data, 256) for item in inputs]
+    largest = sorted(float(d.abs().max()) for d in decoded[:3])
+    bound = 3.0 * largest[1]  # the lower median of the positive largest values (the zero sender left out)
+    rule = OwnerRule(norm_clip_multiple=None, value_bound_multiple=3.0)
+    strict = OwnerRule(norm_clip_multiple=None, value_bound_multiple=1.5)
+    loose = OwnerRule(norm_clip_multiple=None, value_bound_multiple=None)
+    assert reduce_segment(inputs, 256, codec, announced, rule, 4.0).bounded == ()  # within 3 ×: nothing bounded
+    reduced = reduce_segment(inputs, 256, codec, announced, strict, 4.0)
+    assert reduced.bounded == ((2, 2),) and reduced.included == (0, 1, 2, 3)
+    limit = 1.5 * largest[1]
+    expected = (decoded[0] + decoded[1] + decoded[2].clamp(-limit, limit) + decoded[3]).double() / 4
+    assert torch.equal(codec.decode_average(reduced.data, 256), codec.decode_average(
+        codec.encode_average(expected.float()), 256))
+    unbounded = reduce_segment(inputs, 256, codec, announced, loose, 4.0)
+    assert unbounded.bounded == () and unbounded.data != reduced.data
+    assert bound > float(edit[:2].max()) > limit  # the test's numbers say what they claim
+    with pytest.raises(ValueError):
+        OwnerRule(value_bound_multiple=-1.0)
