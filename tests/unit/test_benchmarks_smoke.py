@@ -211,3 +211,26 @@ def test_codec_speed_quick(outputs):
         assert all(finite(s) and s > 0 for s in parts.values()) and cost["dominated_by"] == max(parts, key=parts.get)
         assert cost["total_s"] == pytest.approx(sum(parts.values()))
         assert cost["over_fp16"] == pytest.approx(cost["total_s"] / codecs["fp16"]["round"]["total_s"])
+
+
+@pytest.mark.timeout(120)
+def test_influence_quick():
+    """Run alone, after the others (it computes all the time): honest rounds untouched by the value bound — nothing
+    clipped or bounded, θ and bytes bit-identical without it — and the concentrated attacker bounded in every round,
+    its pull on its coordinates cut from tens of times honest training's largest move to at most the bound."""
+    process = subprocess.run([sys.executable, "-m", "benchmarks.influence", "--quick"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=110)
+    assert process.returncode == 0, process.stderr[-3000:]
+    result = json.loads(process.stdout)
+    check_common(result, "influence")
+    summary = result["summary"]
+    rows = [(case["codec"], case["honest"]["member_rounds"]) for case in result["cases"]]
+    assert rows == [("fp16", 6), ("sparse", 6)]
+    assert summary["honest_member_rounds"] == 12 and summary["honest_norm_clipped"] == summary["honest_bounded"] == 0
+    assert summary["theta_identical_without_bound"] and summary["bytes_identical_without_bound"]
+    assert 1.0 <= summary["largest_honest_reach"] < summary["value_bound_multiple"]
+    assert summary["attacker_bounded_in_every_round"]
+    assert summary["largest_attack_pull"] <= summary["value_bound_multiple"] * 1.01
+    assert summary["largest_attack_pull_without_bound"] > 10 * summary["largest_attack_pull"]
+    for case in result["cases"]:
+        assert case["loss_without_bound"] == case["honest"]["heldout_loss"] < CHANCE_LOSS

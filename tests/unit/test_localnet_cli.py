@@ -177,6 +177,14 @@ def test_the_miner_takes_behaviour_options_and_refuses_bad_ones(tmp_path, capsys
         miner.main(["--netuid", "3", "--miner.behaviour", "partial", "--miner.fraction", "1.5",
                     "--neuron.full_path", str(tmp_path)])
     assert exit_info.value.code == 2 and "fraction of inner steps must be within (0, 1]" in capsys.readouterr().err
+    args = miner.build_parser().parse_args(
+        ["--netuid", "3", "--miner.behaviour", "concentrated", "--miner.values", "3", "--miner.share", "0.2"])
+    concentrated = NeuronConfig.from_args(args).miner.load()
+    assert (concentrated.values, concentrated.share) == (3, 0.2)
+    with pytest.raises(SystemExit) as exit_info:
+        miner.main(["--netuid", "3", "--miner.behaviour", "concentrated", "--miner.share", "1.5",
+                    "--neuron.full_path", str(tmp_path)])
+    assert exit_info.value.code == 2 and "share within (0, 1)" in capsys.readouterr().err
 
 
 def test_help_lists_every_built_in_behaviour():
