@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from template.p2p.simulated_link import LinkSpec, LinkStats, SimulatedNetwork
 from template.training.data import STDLIB_SOURCE, names_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -132,6 +133,7 @@ class PeerRunResult:
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     log_tails: dict[str, list[str]] = field(default_factory=dict)  # last log lines of each peer, when not finished
+    link_stats: LinkStats | None = None  # what crossed the simulated links, when the peers had one
 
     @property
     def finished(self) -> bool:
@@ -143,13 +145,15 @@ class PeerRunResult:
 
 def run_peers(
     num_peers: int, peer_args: list[str], out_dir: Path, timeout_s: float, threads: int | None = None,
-    name_prefix: str = "peer", follower_args: Sequence[str] = (),
+    name_prefix: str = "peer", follower_args: Sequence[str] = (), link: LinkSpec | None = None,
 ) -> PeerRunResult:
     """Run ``num_peers`` real ``template.training.peer`` processes on 127.0.0.1 until they finish or ``timeout_s``.
 
     Like ``python -m template.training.run`` (first peer bootstraps the others, peers split the cores), but it
     returns every peer's full round reports instead of printing a summary. ``follower_args`` are appended for every
-    peer but the first (later flags win). All peers are stopped before it returns.
+    peer but the first (later flags win). With ``link``, every peer sits behind a simulated access link
+    (:mod:`template.p2p.simulated_link`, a test knob) and ``link_stats`` counts what crossed it. All peers are
+    stopped before it returns.
     """
     from template.training.run import PeerProcess, wait_for_event
 
@@ -157,20 +161,23 @@ def run_peers(
     names = [f"{name_prefix}{i}" for i in range(num_peers)]
     threads = threads or max(1, (os.cpu_count() or 1) // num_peers)
     common = ["--expected-peers", str(num_peers), "--torch-threads", str(threads), *peer_args]
+    network = SimulatedNetwork(link) if link is not None else None
+    hosts = {name: _behind_link(network, name) for name in names}
     result = PeerRunResult(peers=names)
     events: queue.Queue = queue.Queue()
     processes: list[PeerProcess] = []
     started = time.monotonic()
     deadline = started + timeout_s
     try:
-        processes.append(PeerProcess(names[0], [*common, "--checkpoint-dir", str(out_dir / names[0])], out_dir,
-                                     events=events))
+        processes.append(PeerProcess(names[0], [*common, *hosts[names[0]], "--checkpoint-dir",
+                                                str(out_dir / names[0])], out_dir, events=events))
         first = wait_for_event(events, lambda e: e["event"] in ("listening", "error", "exit"), timeout_s)
         if first["event"] != "listening":
             raise RuntimeError(f"{names[0]} did not start: {first.get('error', 'exited')} (log {out_dir})")
         for name in names[1:]:
-            processes.append(PeerProcess(name, [*common, "--checkpoint-dir", str(out_dir / name), *follower_args,
-                                                "--initial-peers", *first["maddrs"]], out_dir, events=events))
+            processes.append(PeerProcess(name, [*common, *hosts[name], "--checkpoint-dir", str(out_dir / name),
+                                                *follower_args, "--initial-peers", *first["maddrs"]], out_dir,
+                                         events=events))
         exited: set[str] = set()
         while len(exited) < num_peers and time.monotonic() < deadline:
             try:
@@ -195,11 +202,22 @@ def run_peers(
             process.stop()
             _kill_group(process.process.pid)
         result.seconds = time.monotonic() - started
+        if network is not None:
+            network.close()
+            result.link_stats = network.stats
         if not result.finished:
             for process in processes:
                 lines = process.log_path.read_text(errors="replace").splitlines()
                 result.log_tails[process.peer_key] = [line for line in lines if "Warning" not in line][-8:]
     return result
+
+
+def _behind_link(network: SimulatedNetwork | None, name: str) -> list[str]:
+    """A peer's flags to listen behind its simulated link's proxy (none without a simulated network)."""
+    if network is None:
+        return []
+    peer = network.add_peer(name)
+    return ["--host-maddr", peer.host_maddr, "--announce-maddr", peer.announce_maddr]
 
 
 def _kill_group(pgid: int) -> None:

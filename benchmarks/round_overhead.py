@@ -9,6 +9,12 @@ estimate to start matchmaking ahead, and pays one-time costs):
     overhead = round_s − inner_s            (all-reduce incl. waiting for the group, outer step, checkpoint, ...)
     overhead_steps = overhead / t_step      (t_step = inner_s / inner_steps of the same peer and round)
     utilization(H) = H·t_step / (H·t_step + overhead)        for H = 100 and 500
+    wall_utilization = inner_s / round_s                      (the round as it ran: inner compute over wall time)
+
+``--link-mbit M [--link-latency-ms L]`` puts every peer of the tiny run behind a simulated access link of M Mbit/s
+per direction (:mod:`template.p2p.simulated_link`, a loopback test knob): ``allreduce_over_compute`` then says how
+much of a round's compute the all-reduce takes on that link, and ``wall_utilization`` what the blocking engine
+keeps of the compute.
 
 The baseline measured in the same run is the step time itself: ``t_step`` as the peers saw it (N peers share
 the cores, so it is slower than alone), and ``t_step_solo`` of one process training alone with the same torch
@@ -38,6 +44,7 @@ from benchmarks.common import (
     parse_benchmark_args,
     run_peers,
 )
+from template.p2p.simulated_link import LinkSpec
 
 log = logging.getLogger("benchmarks.round_overhead")
 
@@ -58,6 +65,8 @@ class Config:
     compression: str
     matchmaking_time: float
     threads: int
+    link_mbit: float | None = None  # every peer behind a simulated access link (template.p2p.simulated_link)
+    link_latency_ms: float = 0.0
 
 
 def solo_step_time(config: Config, data: str, steps: int) -> float:
@@ -109,10 +118,14 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
     # Fresh peers build the same θ_0 from the seed; a short join timeout keeps the followers from downloading the
     # first peer's state at start (minutes for the small preset), which is start-up cost, not round overhead.
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as out:
+        link = LinkSpec(config.link_mbit, config.link_latency_ms) if config.link_mbit is not None else None
         run = run_peers(config.peers, args, Path(out), timeout_s, threads=config.threads,
-                        follower_args=["--join-timeout", "3"] if config.model != "tiny" else [])
+                        follower_args=["--join-timeout", "3"] if config.model != "tiny" else [], link=link)
     result: dict[str, Any] = dict(asdict(config), finished=run.finished, errors=run.errors,
                                   seconds=round(run.seconds, 1), t_step_solo_s=t_solo, log_tails=run.log_tails)
+    if run.link_stats is not None:
+        result["link_bytes_sent"], result["link_connections"] = run.link_stats.sent, run.link_stats.connections
+        result["link_unnamed_dialers"] = run.link_stats.unnamed
     params = [event.get("params") for event in run.ready.values()]
     result["params"] = params[0] if params else None
     samples, per_round = [], []
@@ -121,6 +134,7 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
         if not reports:
             continue
         rows = [dict(overhead_s=rep["round_s"] - rep["inner_s"], allreduce_s=rep["allreduce_s"],
+                     wall_utilization=rep["inner_s"] / rep["round_s"], inner_s=rep["inner_s"],
                      t_step_s=rep["inner_s"] / rep["inner_steps"], ok=rep["allreduce_ok"], reason=rep["reason"])
                 for rep in reports]
         samples.extend(rows)
@@ -142,6 +156,9 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
         outer_step_and_bookkeeping_s=median([row["overhead_s"] - row["allreduce_s"] for row in samples]),
         overhead_steps=overhead / t_step, overhead_steps_vs_solo=overhead / t_solo,
         utilization=utilization(t_step, overhead), utilization_vs_solo=utilization(t_solo, overhead),
+        inner_s=median([row["inner_s"] for row in samples]),
+        allreduce_over_compute=allreduce / median([row["inner_s"] for row in samples]),
+        wall_utilization=median([row["wall_utilization"] for row in samples]),
     )
     return result
 
@@ -155,16 +172,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--matchmaking-time", type=float, default=None, help="default 5 (the engine's); --quick 2")
     parser.add_argument("--skip-small", action="store_true", help="do not run the small preset")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound of each peer run, seconds")
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="put every tiny-run peer behind a simulated access link of this many Mbit/s per "
+                             "direction (a loopback test knob: template/p2p/simulated_link.py)")
+    parser.add_argument("--link-latency-ms", type=float, default=0.0, help="one-way delay of the simulated link")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_benchmark_args(build_parser(), argv, peers=(4, 2), inner_steps=(20, 3), rounds=(5, 2),
+    parser = build_parser()
+    args = parse_benchmark_args(parser, argv, peers=(4, 2), inner_steps=(20, 3), rounds=(5, 2),
                                 matchmaking_time=(5.0, 2.0))
+    if args.link_mbit is not None:
+        try:
+            LinkSpec(args.link_mbit, args.link_latency_ms)
+        except ValueError as err:
+            parser.error(str(err))
     quick, data, matchmaking_time = args.quick, args.data, args.matchmaking_time
     configs = [Config("tiny", args.peers, seq_len=32 if quick else 128, batch_size=2 if quick else 8,
                       inner_steps=args.inner_steps, rounds=args.rounds,
-                      compression=args.compression, matchmaking_time=matchmaking_time, threads=1)]
+                      compression=args.compression, matchmaking_time=matchmaking_time, threads=1,
+                      link_mbit=args.link_mbit, link_latency_ms=args.link_latency_ms)]
     if not (quick or args.skip_small):
         configs.append(Config("small", 2, seq_len=64, batch_size=1, inner_steps=4, rounds=3,
                               compression=args.compression, matchmaking_time=matchmaking_time, threads=1))
@@ -189,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         tiny_overhead_steps_vs_solo=tiny.get("overhead_steps_vs_solo"), goal_steps=OVERHEAD_GOAL_STEPS,
         goal_met=tiny.get("overhead_steps") is not None and tiny["overhead_steps"] <= OVERHEAD_GOAL_STEPS,
         utilization={c["model"]: c.get("utilization") for c in result["configs"]},
+        tiny_wall_utilization=tiny.get("wall_utilization"), tiny_allreduce_over_compute=tiny.get(
+            "allreduce_over_compute"), tiny_link_mbit=tiny.get("link_mbit"),
     )
     result["seconds"] = round(time.monotonic() - started, 1)
     emit(result)

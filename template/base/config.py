@@ -51,6 +51,13 @@ class AxonConfig:
     ip: str = _help("address the host listens on (0.0.0.0 on a server)", default="127.0.0.1")
     port: int = _help("TCP port to listen on; open it in your firewall (0 = any free port)", default=0)
     external_ip: str | None = _help("public IP that peers dial, served on chain (default: --axon.ip)", default=None)
+    external_port: int | None = _help("public TCP port that peers dial, served on chain, when a router or proxy "
+                                      "forwards it to --axon.port (default: --axon.port)", default=None)
+
+    def __post_init__(self) -> None:
+        if self.external_port is not None and not (self.port and 0 < self.external_port < 65536):
+            raise ValueError("--axon.external_port needs a fixed --axon.port for it to forward to, and must be a port "
+                             "number (1-65535)")
 
 
 DEFAULT_ALLREDUCE_FRACTION = 0.2
@@ -203,6 +210,7 @@ def add_neuron_args(parser: argparse.ArgumentParser) -> None:
     _add(axon, "--axon.ip", AxonConfig, "ip")
     _add(axon, "--axon.port", AxonConfig, "port", type=int)
     _add(axon, "--axon.external_ip", AxonConfig, "external_ip")
+    _add(axon, "--axon.external_port", AxonConfig, "external_port", type=int)
     neuron = parser.add_argument_group("neuron")
     _add(neuron, "--neuron.device", NeuronSettings, "device")
     _add(neuron, "--neuron.full_path", NeuronSettings, "full_path")

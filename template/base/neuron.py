@@ -294,7 +294,9 @@ def start_neuron(config: NeuronConfig, stop: StopFlag) -> NeuronContext:
     log.info("uid %d on netuid %d; bootstrapping from %d peers", uid, config.chain.netuid, len(bootstrap))
     axon = config.axon
     external_ip = axon.external_ip or axon.ip
-    announce = [f"/ip4/{external_ip}/tcp/{axon.port}"] if axon.port and axon.external_ip else []
+    external_port = axon.external_port or axon.port
+    announce = [f"/ip4/{external_ip}/tcp/{external_port}"] if axon.external_port or (axon.port and axon.external_ip) \
+        else []
     host = DHTConfig(host_maddrs=[f"/ip4/{axon.ip}/tcp/{axon.port}"], announce_maddrs=announce)
     try:
         dht = start_dht(dataclasses.replace(host, initial_peers=bootstrap))

@@ -54,6 +54,7 @@ from template.localnet.report import (
     write_report,
 )
 from template.localnet.view import LiveView, print_summary, tail_text
+from template.p2p.simulated_link import LinkSpec, SimulatedNetwork, SimulatedPeer
 from template.training.data import names_files
 from template.training.model import MODEL_PRESETS
 from template.training.run import PeerProcess
@@ -86,6 +87,8 @@ class LocalnetConfig:
     matchmaking_time: float = 5.0
     timeout_s: float = 900.0
     dashboard: bool = False  # every neuron serves its dashboard on a free port of 127.0.0.1
+    link_mbit: float | None = None  # every neuron behind a simulated access link (a test knob: simulated_link.py)
+    link_latency_ms: float = 0.0
 
     def miner_behaviours(self) -> list[str]:
         return list(self.behaviours) or [HONEST] * self.miners
@@ -176,8 +179,10 @@ def free_port() -> int:
 
 
 def neuron_command(config: LocalnetConfig, neuron: NeuronInfo, url: str, out: Path,
-                   dashboard_port: int = 0) -> list[str]:
-    """The neuron's command line as an operator would type it; the --run.* values are the same for every neuron."""
+                   dashboard_port: int = 0, link: SimulatedPeer | None = None) -> list[str]:
+    """The neuron's command line as an operator would type it; the --run.* values are the same for every neuron.
+    Behind a simulated ``link`` its host listens on the link's port and serves the proxy's on chain, as a node
+    behind a port-forwarding router would."""
     script = "neurons/validator.py" if neuron.role == "validator" else "neurons/miner.py"
     command = [
         sys.executable, script, "--netuid", str(NETUID), "--wallet.name", neuron.name, "--wallet.hotkey", "default",
@@ -194,6 +199,8 @@ def neuron_command(config: LocalnetConfig, neuron: NeuronInfo, url: str, out: Pa
         command += ["--miner.behaviour", str(neuron.behaviour)]
     if dashboard_port:
         command += ["--dashboard.port", str(dashboard_port)]
+    if link is not None:
+        command += ["--axon.port", str(link.host_port), "--axon.external_port", str(link.proxy_port)]
     return command
 
 
@@ -229,6 +236,8 @@ class Localnet:
         self.remote: RemoteMockSubstrate | None = None
         self.url = ""
         self.interrupt = threading.Event()  # set by the SIGINT/SIGTERM handler; checked by check_interrupt()
+        self.link = SimulatedNetwork(LinkSpec(config.link_mbit, config.link_latency_ms)) \
+            if config.link_mbit is not None else None
 
     def run(self) -> dict[str, Any]:
         """Start, train, wait for weights and incentive, read the chain; returns the report (files written)."""
@@ -242,7 +251,8 @@ class Localnet:
         for neuron in self.neurons:
             self.check_interrupt()
             port = free_port() if config.dashboard else 0
-            command = neuron_command(config, neuron, self.url, self.out, port)
+            link = self.link.add_peer(neuron.name) if self.link is not None else None
+            command = neuron_command(config, neuron, self.url, self.out, port, link)
             self.children[neuron.name] = NeuronProcess(neuron.name, command, self.out, self.env, self.queue,
                                                        self.out / f"{neuron.name}.events")
             if port:
@@ -255,6 +265,8 @@ class Localnet:
         snapshot = read_chain(self.url, validators)
         run = dict(asdict(config), out=str(self.out), chain=self.url, netuid=NETUID,
                    behaviours=config.miner_behaviours(), dashboards=self.dashboards)
+        if self.link is not None:
+            run["link_bytes_sent"] = dict(self.link.stats.sent)
         report = build_report(self.neurons, self.events, snapshot, last_round=last_round, run=run)
         write_report(report, self.out)
         return report
@@ -367,6 +379,8 @@ class Localnet:
         if neurons:
             with ThreadPoolExecutor(len(neurons)) as pool:
                 list(pool.map(NeuronProcess.stop, neurons))
+        if self.link is not None:
+            self.link.close()
         if "chain" in self.children:
             self.children["chain"].stop()
         if self.remote is not None:
@@ -403,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dashboard", action="store_true",
                         help="every neuron serves its live web dashboard on a free port of 127.0.0.1 (addresses "
                              "printed at start)")
+    parser.add_argument("--link.mbit", dest="link_mbit", type=float, default=None,
+                        help="TEST KNOB: put every neuron behind a simulated access link of this many Mbit/s per "
+                             "direction (a pacing proxy on 127.0.0.1: template/p2p/simulated_link.py)")
+    parser.add_argument("--link.latency_ms", dest="link_latency_ms", type=float, default=0.0,
+                        help="one-way delay of the simulated link, milliseconds (with --link.mbit)")
     return parser
 
 
@@ -424,6 +443,13 @@ def config_from_args(argv: list[str] | None) -> LocalnetConfig:
             load_behaviour(behaviour)
         except ValueError as err:
             problems.append(str(err))
+    if args.link_mbit is not None:
+        try:
+            LinkSpec(args.link_mbit, args.link_latency_ms)
+        except ValueError as err:
+            problems.append(f"--link.mbit/--link.latency_ms: {err}")
+    elif args.link_latency_ms:
+        problems.append("--link.latency_ms needs --link.mbit")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("localnet-%Y%m%d-%H%M%S")
     if out.exists() and any(out.iterdir()):
         problems.append(f"--out {out} is not empty: choose a new directory")
@@ -434,7 +460,8 @@ def config_from_args(argv: list[str] | None) -> LocalnetConfig:
         data=absolute_sources(args.data), blocks_per_round=args.blocks_per_round,
         seconds_per_block=args.seconds_per_block, tempo=args.tempo, compression=args.compression,
         inner_steps=args.inner_steps, seq_len=args.seq_len, matchmaking_time=args.matchmaking_time,
-        timeout_s=args.timeout, dashboard=args.dashboard,
+        timeout_s=args.timeout, dashboard=args.dashboard, link_mbit=args.link_mbit,
+        link_latency_ms=args.link_latency_ms,
     )
 
 

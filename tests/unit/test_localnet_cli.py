@@ -22,6 +22,7 @@ from template.localnet.network import (
 )
 from template.localnet.report import NeuronInfo
 from template.localnet.view import LiveView, last_progress, print_summary, tail_text
+from template.p2p.simulated_link import SimulatedPeer
 from template.training.cli import run_spec_from
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +59,9 @@ def test_data_files_are_made_absolute_for_the_neurons(tmp_path, monkeypatch):
     (["--miners", "2", "--miner-behaviours", "honest"], "names 1 behaviours for 2 miners"),
     (["--miner-behaviours", "honest,honest,hacker"], "unknown behaviour 'hacker'"),
     (["--seconds-per-block", "0"], "--seconds-per-block > 0"),
+    (["--link.mbit", "0"], "rate must be > 0 Mbit/s"),
+    (["--link.mbit", "50", "--link.latency_ms", "-5"], "latency must be within"),
+    (["--link.latency_ms", "20"], "--link.latency_ms needs --link.mbit"),
 ])
 def test_bad_options_are_refused_with_the_reason(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -166,6 +170,22 @@ def test_with_dashboard_each_neuron_is_given_its_own_port_on_its_command_line(tm
     assert (validator.dashboard_port, validator.dashboard_ip) == (45678, "127.0.0.1")
     miner = load_script("miner").build_parser().parse_args(neuron_command(config, MINER, url, tmp_path)[2:])
     assert miner.dashboard_port == 0  # no port given: no dashboard
+
+
+def test_behind_a_simulated_link_each_neuron_listens_on_its_port_and_serves_the_proxys(tmp_path, capsys):
+    """--link.mbit: a neuron's host listens where the link forwards to and announces the link's proxy (the way a
+    node behind a port-forwarding router uses --axon.external_port); a forwarded port needs a fixed one."""
+    config = config_from_args(["--out", str(tmp_path / "a"), "--link.mbit", "50", "--link.latency_ms", "20"])
+    assert (config.link_mbit, config.link_latency_ms) == (50.0, 20.0)
+    link = SimulatedPeer("miner1", host_port=41001, proxy_port=41002)
+    miner = load_script("miner").build_parser().parse_args(
+        neuron_command(config, MINER, "mock://127.0.0.1:9999", tmp_path, link=link)[2:])
+    axon = NeuronConfig.from_args(miner).axon
+    assert (axon.port, axon.external_port) == (41001, 41002)
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("miner").main(["--netuid", "3", "--axon.external_port", "41002",
+                                   "--neuron.full_path", str(tmp_path / "m")])
+    assert exit_info.value.code == 2 and "needs a fixed --axon.port" in capsys.readouterr().err
 
 
 def test_the_miner_takes_behaviour_options_and_refuses_bad_ones(tmp_path, capsys):
