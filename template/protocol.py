@@ -11,6 +11,9 @@ Wire forms (JSON and safetensors only, never pickle):
   concatenated (:mod:`template.allreduce.contribution`). The signed metadata carries their sha256, the model's names
   and shapes, the codec that encoded them, and the miner's signed contribution *commitment* (whose Merkle root the
   segments must hash to): what a validator scores is what the miner contributed.
+- :class:`InputsMeta` (a reply to a request of kind ``inputs``): what a miner averaged as an owner in a round — each
+  sender's accepted segments of its range with the leaves and Merkle proof that tie them to the sender's signed
+  root — and the payload of those segments; unsigned, since every byte is checked against its sender's root.
 
 Guarantees on malformed input: every ``decode``/``from_dict`` and :func:`check_payload` either returns a fully
 validated object or raises :class:`ProtocolError` with a message saying what was wrong — never another exception
@@ -40,16 +43,21 @@ __all__ = [
     "MAX_REPLY_BYTES",
     "MAX_REQUEST_BYTES",
     "PROTOCOL_VERSION",
+    "FetchKind",
     "FetchReply",
     "FetchRequest",
+    "InputsMeta",
     "ProtocolError",
     "PublicationMeta",
     "ReplyStatus",
+    "SenderInputs",
     "check_payload",
     "payload_size_limit",
 ]
 
-PROTOCOL_VERSION = 2  # 2: the payload is the contribution's encoded segments, bound by a signed commitment
+# 2: the payload is the contribution's encoded segments, bound by a signed commitment; 3: a request names its kind
+# (a publication, or the inputs an owner averaged)
+PROTOCOL_VERSION = 3
 
 MAX_META_BYTES = 1 << 20  # ~100x the metadata of a 1B-parameter Llama (a few hundred names)
 MAX_REQUEST_BYTES = 1024
@@ -63,6 +71,8 @@ U32_MAX = (1 << 32) - 1
 MAX_TOKENS = (1 << 53) - 1  # exact in a JSON double
 MAX_LOSS = 1e6
 MAX_CODEC_CHARS = 200
+MAX_SENDERS = 1024  # contributors of one group, far above any group the subnet forms
+MAX_SEGMENT_BYTES = 1 << 30
 _COMMITMENT_FIELDS = {"scope": str, "round": int, "codec": str, "numel": int, "root": str, "key": str,
                       "signature": str}
 
@@ -295,18 +305,30 @@ class PublicationMeta:
         return cls.from_dict(_load_json_object(data, MAX_META_BYTES, "publication metadata"))
 
 
+class FetchKind:
+    """What a :class:`FetchRequest` asks for."""
+
+    PUBLICATION = "publication"  # the miner's own signed contribution of the round
+    INPUTS = "inputs"  # the senders' segments it accepted and averaged as an owner in the round (InputsMeta)
+
+    ALL = (PUBLICATION, INPUTS)
+
+
 @dataclass(frozen=True)
 class FetchRequest:
-    """A validator asks a miner for its publication of ``round`` on ``netuid``."""
+    """A validator asks a miner for its publication of ``round`` on ``netuid``, or (``kind`` inputs) for the inputs
+    it averaged as an owner in that round."""
 
     version: int
     netuid: int
     round: int
+    kind: str = FetchKind.PUBLICATION
 
     def __post_init__(self) -> None:
         _version(self.version)
         _int("netuid", self.netuid, 0, 0xFFFF)
         _int("round", self.round, 0, U32_MAX)
+        _choice("kind", self.kind, FetchKind.ALL)
 
     def encode(self) -> bytes:
         return _canonical_json(dataclasses.asdict(self))
@@ -314,6 +336,7 @@ class FetchRequest:
     @classmethod
     def decode(cls, data: bytes) -> FetchRequest:
         document = _load_json_object(data, MAX_REQUEST_BYTES, "fetch request")
+        _version(document.get("version"))  # first: another version's request may have other fields
         _exact_fields(document, cls, "fetch request")
         return cls(**document)
 
@@ -331,24 +354,116 @@ class ReplyStatus:
 
 
 @dataclass(frozen=True)
+class SenderInputs:
+    """One sender's segments that an owner accepted in a round: what a validator needs to check them against the
+    sender's signed root (its ``leaves`` of the owner's range and their Merkle ``proof``, hex) and which of them the
+    payload holds (``segments``, ascending, with their byte ``sizes``)."""
+
+    key: str  # the sender's hotkey: its commitment's key
+    leaves: tuple[str, ...]
+    proof: tuple[str, ...]
+    segments: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InputsMeta:
+    """What an owner averaged in ``round``: for its range [start, stop) of the ``count`` segments, each sender's
+    accepted segments, concatenated in the payload in the order of ``senders`` and then of ``segments``. Unsigned:
+    every byte is checked against its sender's signed root, and the average against the owner's signed certificate.
+    """
+
+    version: int
+    netuid: int
+    round: int
+    start: int
+    stop: int
+    count: int
+    senders: tuple[SenderInputs, ...]
+    payload_sha256: str
+
+    def __post_init__(self) -> None:
+        _version(self.version)
+        _int("netuid", self.netuid, 0, 0xFFFF)
+        _int("round", self.round, 0, U32_MAX)
+        _int("count", self.count, 1, MAX_NUMEL)
+        _int("start", self.start, 0, self.count - 1)
+        _int("stop", self.stop, self.start + 1, self.count)
+        _hex("payload_sha256", self.payload_sha256, _HEX64)
+        if not isinstance(self.senders, (list, tuple)) or len(self.senders) > MAX_SENDERS:
+            raise ProtocolError(f"senders must be a list of at most {MAX_SENDERS}")
+        senders = tuple(_sender_inputs(s, self.start, self.stop) for s in self.senders)
+        if len({s.key for s in senders}) != len(senders):
+            raise ProtocolError("each sender is listed once")
+        object.__setattr__(self, "senders", senders)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(sum(s.sizes) for s in self.senders)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, document: Any) -> InputsMeta:
+        if not isinstance(document, Mapping):
+            raise ProtocolError(f"inputs metadata must be an object, got {type(document).__name__}")
+        _exact_fields(document, cls, "inputs metadata")
+        return cls(**document)
+
+
+def _sender_inputs(value: Any, start: int, stop: int) -> SenderInputs:
+    """Validate one sender's entry (a SenderInputs or its JSON object) for the range [start, stop)."""
+    if isinstance(value, Mapping):
+        _exact_fields(value, SenderInputs, "sender inputs")
+        value = SenderInputs(**value)
+    if not isinstance(value, SenderInputs):
+        raise ProtocolError("each sender entry must be an object")
+    _hotkey(value.key)
+    leaves, proof = _hex_list("leaves", value.leaves, stop - start), _hex_list("proof", value.proof, 128)
+    if len(leaves) != stop - start:
+        raise ProtocolError(f"a sender's leaves must cover the range: {len(leaves)} for {stop - start} segments")
+    segments = tuple(_int("segment", k, start, stop - 1) for k in _list("segments", value.segments, stop - start))
+    sizes = tuple(_int("size", n, 0, MAX_SEGMENT_BYTES) for n in _list("sizes", value.sizes, stop - start))
+    if list(segments) != sorted(set(segments)) or len(sizes) != len(segments):
+        raise ProtocolError("a sender's segments must ascend, each once, with one size each")
+    return SenderInputs(value.key, leaves, proof, segments, sizes)
+
+
+def _list(name: str, value: Any, limit: int) -> tuple:
+    if not isinstance(value, (list, tuple)) or len(value) > limit:
+        raise ProtocolError(f"{name} must be a list of at most {limit}")
+    return tuple(value)
+
+
+def _hex_list(name: str, value: Any, limit: int) -> tuple[str, ...]:
+    return tuple(_hex(name, item, _HEX64) for item in _list(name, value, limit))
+
+
+@dataclass(frozen=True)
 class FetchReply:
-    """The first frame of a miner's answer: the signed metadata and payload size, or why there is none."""
+    """The first frame of a miner's answer: the signed metadata (``meta``, a publication; ``inputs``, what it
+    averaged as an owner) and payload size, or why there is none."""
 
     version: int
     status: str
     reason: str = ""
     meta: PublicationMeta | None = None
     payload_bytes: int = 0
+    inputs: InputsMeta | None = None
 
     def __post_init__(self) -> None:
         _version(self.version)
         _choice("status", self.status, ReplyStatus.ALL)
         _str("reason", self.reason, MAX_REASON_CHARS)
         _int("payload_bytes", self.payload_bytes, 0, 1 << 50)
-        if (self.status == ReplyStatus.OK) != (self.meta is not None):
-            raise ProtocolError("a reply carries metadata exactly when its status is 'ok'")
+        if (self.status == ReplyStatus.OK) != ((self.meta is None) != (self.inputs is None)):
+            raise ProtocolError("a reply carries one kind of metadata exactly when its status is 'ok'")
         if self.meta is not None and not isinstance(self.meta, PublicationMeta):
             raise ProtocolError("reply metadata must be a PublicationMeta")
+        if self.inputs is not None and not (isinstance(self.inputs, InputsMeta)
+                                            and self.inputs.payload_bytes == self.payload_bytes):
+            raise ProtocolError("reply inputs must be an InputsMeta whose sizes add up to the payload")
 
     def encode(self) -> bytes:
         document = dataclasses.asdict(self)
@@ -360,7 +475,8 @@ class FetchReply:
         document = _load_json_object(data, MAX_REPLY_BYTES, "fetch reply")
         _exact_fields(document, cls, "fetch reply")
         meta = None if document["meta"] is None else PublicationMeta.from_dict(document["meta"])
-        return cls(**{**document, "meta": meta})
+        inputs = None if document["inputs"] is None else InputsMeta.from_dict(document["inputs"])
+        return cls(**{**document, "meta": meta, "inputs": inputs})
 
 
 # --- payload ------------------------------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ from template.allreduce.contribution import (
     sign_statements,
 )
 from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
+from template.allreduce.owner_inputs import OwnerInputs
 from template.allreduce.reduction import OwnerRule
 from template.allreduce.terms import AllReduceFaults, SegmentLayout
 from template.p2p.keys import ephemeral_signer, verify_signature
@@ -143,6 +144,7 @@ class AveragingResult:
     group_id: str = ""  # hex; peers with ok=True and the same group_id hold identical bytes
     commitments: dict[str, dict] = field(default_factory=dict)  # sender -> its signed commitment (wire form)
     evidence: AllReduceEvidence = field(default_factory=AllReduceEvidence)  # what this member saw (validators audit)
+    inputs: OwnerInputs | None = None  # what it accepted as an owner: served to validators (template.p2p.publication)
 
     @property
     def coverage(self) -> dict[str, float]:
@@ -348,6 +350,7 @@ class PseudoGradientAverager:
             bytes_sent=report.bytes_sent,
             reason=reason,
             bytes_received=report.bytes_received,
+            inputs=report.inputs,
             weights={peer: _weight_of(data) for peer, data in gathered.items()},
             group_id=report.group_id.hex(),
             commitments={peer: data["commitment"] for peer, data in gathered.items()

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from template.allreduce.messages import Refusal
+from template.allreduce.owner_inputs import OwnerInputs
 
 __all__ = ["AllReduceEvidence", "AllReduceReport", "OwnerCertificate", "SegmentRecord"]
 
@@ -85,6 +86,7 @@ class AllReduceReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     failure: str = ""  # "" when every value arrived and the result was written
+    inputs: OwnerInputs | None = None  # what we accepted as an owner, kept for validators (None: we own nothing)
 
     @property
     def received_fraction(self) -> float:

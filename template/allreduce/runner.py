@@ -79,6 +79,7 @@ from template.allreduce.messages import (
     certificate_bytes,
     segments_digest,
 )
+from template.allreduce.owner_inputs import InputKeeper
 from template.allreduce.reduction import OwnerRule, SegmentInput
 from template.allreduce.relay import HeldShares, share_message
 from template.allreduce.segment_reducer import Contribution, SegmentReducer, SegmentResult
@@ -168,7 +169,8 @@ class CheckedAllReduceRunner:
         self._all_served = asyncio.Event()
         if not self._unserved:
             self._all_served.set()
-        self._verified_leaves: dict[int, tuple[bytes, ...]] = {}  # sender -> its leaves of our range, once checked
+        keys = [c.key if c is not None else None for c in terms.commitments]
+        self.kept = InputKeeper(*self.my_range, layout.count, keys)  # what we accept as an owner, for validators
         self._levels = merkle_levels(own.leaves) if self.is_sender else None  # our tree, for the range proofs
         self.bytes_sent = self.bytes_received = 0
         # a relay request waits at most half the requester's patience for a share still arriving
@@ -341,8 +343,10 @@ class CheckedAllReduceRunner:
         """Our own segments go to our reducer directly; the results are registered like any owner's."""
         start, stop = self.my_range
         sender = self.sender_peer_ids.index(self.peer_id)
+        self.kept.header(sender, self.own.leaves[start:stop], range_proof(self._levels, start, stop))
         sent = []
         for offset, segment in enumerate(range(start, stop)):
+            self.kept.keep(sender, segment, self.own.segments[segment])
             contribution = Contribution(sender, SegmentInput(sender, self.own.segments[segment], self.weight))
             result = await self.reducer.accumulate(contribution, offset)
             averaged = self._as_sent_to(self.my_index, result)
@@ -375,7 +379,7 @@ class CheckedAllReduceRunner:
             for segment in range(start, stop):
                 data, statement = self.own.segments[segment], self.own.statements[segment]
                 if self.terms.faults.corrupt_segments:
-                    data, statement = self._corrupted(segment)
+                    data, statement = self.terms.corrupted(self.own, segment)
                 payloads.append(SenderSegment(data, statement).pack())
             messages = [share_message(p, code=averaging_pb2.PART_FOR_AVERAGING, weight=self.weight) for p in payloads]
         else:
@@ -386,13 +390,6 @@ class CheckedAllReduceRunner:
                 message.group_id = self.group_id
             self.bytes_sent += message.ByteSize()
             yield message
-
-    def _corrupted(self, segment: int) -> tuple[bytes, bytes]:
-        """AllReduceFaults.corrupt_segments: other bytes than committed, with a (truthful) signed statement of them."""
-        original = self.own.segments[segment]
-        data = bytes(b ^ 0x01 for b in original[:64]) + original[64:]
-        statement = statement_bytes(self.terms.scope, self.terms.round, segment, leaf_digest(data))
-        return data, self.terms.signer.sign(statement) if self.terms.signer is not None else b""
 
     # ------------------------------------------------------------------------------------- serving our range
 
@@ -508,7 +505,7 @@ class CheckedAllReduceRunner:
         root = root_from_range(header.leaves, start, stop, self.terms.layout.count, header.proof)
         if root != commitment.root:
             raise AllreduceException(f"sender {sender}'s leaves do not hash to the root it signed")
-        self._verified_leaves[sender] = header.leaves
+        self.kept.header(sender, header.leaves, header.proof)
 
     def _check_segment(self, sender: int, segment: int, message: averaging_pb2.AveragingData) -> Contribution:
         """Runs in a worker thread: hash the bytes and compare with the committed leaf before they count."""
@@ -519,9 +516,9 @@ class CheckedAllReduceRunner:
             logger.warning("sender %d's segment %d is malformed: %s", sender, segment, err)
             return Contribution(sender, None)
         leaf = leaf_digest(parsed.data)
-        expected = self._verified_leaves[sender][segment - self.my_range[0]]
         victim = self.terms.faults.frame and sender == self._framed_sender()
-        if leaf == expected and not victim:
+        if leaf == self.kept.leaf(sender, segment) and not victim:
+            self.kept.keep(sender, segment, parsed.data)
             return Contribution(sender, SegmentInput(sender, parsed.data, message.weight))
         if victim:  # AllReduceFaults.frame: claim a mismatch with a "proof" that cannot verify
             return Contribution(sender, None, Refusal(sender, hashlib.sha256(b"forged").digest(), bytes(64)))
@@ -596,4 +593,5 @@ class CheckedAllReduceRunner:
             clipped=list(reducer.clipped),
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
+            inputs=self.kept.snapshot() if self.owns_segments else None,
         )

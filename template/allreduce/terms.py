@@ -12,7 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from template.allreduce.codecs import SegmentCodec
-from template.allreduce.contribution import Commitment, Signer, Verifier, segment_bounds, segment_count
+from template.allreduce.contribution import (
+    Commitment,
+    Signer,
+    Verifier,
+    leaf_digest,
+    segment_bounds,
+    segment_count,
+    statement_bytes,
+)
 
 __all__ = ["AllReduceFaults", "OwnContribution", "RoundTerms", "SegmentLayout"]
 
@@ -89,6 +97,12 @@ class RoundTerms:
     verify: Verifier
     signer: Signer | None  # signs this member's certificates as an owner (None: auxiliary members own nothing)
     faults: AllReduceFaults = field(default_factory=AllReduceFaults)
+
+    def corrupted(self, own: OwnContribution, segment: int) -> tuple[bytes, bytes]:
+        """AllReduceFaults.corrupt_segments: other bytes than committed, with a (truthful) signed statement of them."""
+        data = bytes(b ^ 0x01 for b in own.segments[segment][:64]) + own.segments[segment][64:]
+        statement = statement_bytes(self.scope, self.round, segment, leaf_digest(data))
+        return data, self.signer.sign(statement) if self.signer is not None else b""
 
     @property
     def commitments_digest(self) -> bytes:

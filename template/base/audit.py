@@ -17,10 +17,13 @@ A miner's publication of round r must be *exactly* what it contributed to round 
   sender is convicted on its own signed bytes — honest training stays far inside the bound (docs/benchmarks.md §8).
 
 Every accusation rests on something the accused signed (a commitment, a statement, a certificate) or on a
-deterministic recomputation from bytes its victims signed; there is no accusation on anyone's word. What cannot be
-checked is left alone and counted: a segment whose included senders did not all publish (or whose publications are
-bad for another reason) is not recomputed; a sender an owner left out without proof (a timeout, or a silent drop)
-is nobody's fault here — it just does not count toward that sender's participation.
+deterministic recomputation from bytes its victims signed; there is no accusation on anyone's word. A sender that
+did not publish what it contributed does not shield the segments it went into: their owners serve the inputs they
+averaged (:mod:`template.allreduce.owner_inputs`, each checked against its sender's signed root), and the audit
+recomputes from those. What still cannot be checked is counted: a segment whose inputs neither the publications
+nor its owner show is not recomputed (``unshown``: the owner did not show them, and earns nothing for the round); a
+sender an owner left out without proof (a timeout, or a silent drop) is nobody's fault here — it just does not
+count toward that sender's participation.
 """
 
 from __future__ import annotations
@@ -106,12 +109,26 @@ class AuditResult:
     framed: dict[str, int] = field(default_factory=dict)
     segments_checked: int = 0
     segments_unchecked: int = 0
+    unshown: dict[str, int] = field(default_factory=dict)  # owner -> its segments left unchecked: it did not show
+    # the inputs it averaged (asked for them because a sender's publication was missing, it served none that verify)
+
+
+def owners_to_ask(result: AveragingResult, segments_by_peer: Mapping[str, Sequence[bytes]]) -> list[str]:
+    """The owners (peer ids) of the averaged segments that the publications alone cannot recompute: one of the
+    senders they included did not publish what it contributed. Ask them for the inputs they averaged."""
+    evidence, members = result.evidence, list(result.group)
+    return sorted({members[record.owner] for record in evidence.segments.values()
+                   if not all(evidence.senders[s] in segments_by_peer for s in record.included)})
 
 
 def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequence[bytes]], codec: SegmentCodec,
-                    scope: str, round: int, rule: OwnerRule) -> AuditResult:
+                    scope: str, round: int, rule: OwnerRule,
+                    served: Mapping[str, Mapping[int, bytes]] | None = None) -> AuditResult:
     """Check the round's all-reduce from the validator's view of it against the verified publications
-    (``segments_by_peer``: peer id → the segments it committed and published; module docstring)."""
+    (``segments_by_peer``: peer id → the segments it committed and published) and, for a sender that did not
+    publish, the inputs its owners served (``served``: peer id → segment → bytes verified against the sender's
+    signed root, :func:`template.allreduce.owner_inputs.verified_inputs`; module docstring)."""
+    served = served or {}
     evidence, outcome = result.evidence, AuditResult()
     senders = evidence.senders
     if not senders:
@@ -136,11 +153,12 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
             else:
                 outcome.accused.setdefault(owner, f"refused {sender}'s segment {segment} without proof")
                 outcome.framed[sender] = outcome.framed.get(sender, 0) + 1
-        if not all(senders[s] in segments_by_peer for s in record.included):
+        data = [_input(segments_by_peer, served, senders[s], segment) for s in record.included]
+        if any(d is None for d in data):
             outcome.segments_unchecked += 1
+            outcome.unshown[owner] = outcome.unshown.get(owner, 0) + 1
             continue
-        inputs = [SegmentInput(s, segments_by_peer[senders[s]][segment], announced[s] or 0.0)
-                  for s in record.included]
+        inputs = [SegmentInput(s, d, announced[s] or 0.0) for s, d in zip(record.included, data, strict=True)]
         numel = _segment_numel(codec, commitments, segment)
         try:
             expected = reduce_segment(inputs, numel, codec, announced, rule, cap)
@@ -150,13 +168,21 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
         for sender, count in expected.bounded if expected is not None else ():
             outcome.accused.setdefault(senders[sender], f"moved {count} values of segment {segment} beyond the "
                                                         f"owner's bound ({rule.value_bound_multiple} × the lower "
-                                                        "median of the senders' largest; recomputed from the "
-                                                        "publications)")
+                                                        "median of the senders' largest; recomputed from its "
+                                                        "signed inputs)")
         if expected is None or hashlib.sha256(expected.data).digest() != record.digest \
                 or tuple(expected.included) != record.included:
-            outcome.accused.setdefault(owner, f"returned a wrong average for segment {segment} (recomputed from "
-                                              "the publications)")
+            outcome.accused.setdefault(owner, f"returned a wrong average for segment {segment} (recomputed from its "
+                                              "inputs as their senders signed them)")
     return outcome
+
+
+def _input(published: Mapping[str, Sequence[bytes]], served: Mapping[str, Mapping[int, bytes]], sender: str,
+           segment: int) -> bytes | None:
+    """A sender's segment: from its publication, else as its owner served it, else None (cannot be checked)."""
+    if sender in published:
+        return published[sender][segment]
+    return served.get(sender, {}).get(segment)
 
 
 def _segment_numel(codec: SegmentCodec, commitments: Mapping[str, Commitment], segment: int) -> int:

@@ -152,6 +152,9 @@ class Miner:
         contribution, commitment = outcome.contribution, outcome.commitment
         if contribution is None or commitment is None:
             return
+        owned = outcome.averaging.inputs if outcome.averaging is not None else None
+        if owned is not None:  # what it averaged as an owner, for validators to recompute (owner_inputs.py)
+            self.server.keep_inputs(outcome.round, *owned.to_wire(self.ctx.netuid, outcome.round))
         other = self.behaviour.publication(outcome)
         if other is not None:
             contribution = self.peer.encode(other)

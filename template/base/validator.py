@@ -29,6 +29,7 @@ round and read back on start, so a validator killed and restarted keeps its scor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -43,13 +44,22 @@ import torch
 
 import template
 from template.allreduce.averager import AveragingResult
+from template.allreduce.contribution import Commitment, ContributionError
+from template.allreduce.owner_inputs import verified_inputs
 from template.allreduce.reduction import lower_median
-from template.base.audit import audit_allreduce, read_publication
+from template.base.audit import audit_allreduce, owners_to_ask, read_publication
 from template.base.neuron import NeuronContext
 from template.base.telemetry import Telemetry
 from template.p2p.identity import PeerDirectory
-from template.p2p.publication import FetchError, NotFoundError, ProtocolError, Publication, fetch_publication
-from template.protocol import PROTOCOL_VERSION, FetchRequest
+from template.p2p.publication import (
+    FetchError,
+    NotFoundError,
+    ProtocolError,
+    Publication,
+    fetch_owner_inputs,
+    fetch_publication,
+)
+from template.protocol import PROTOCOL_VERSION, FetchKind, FetchRequest
 from template.training.diloco import DiLoCoPeer
 from template.training.round import RoundOutcome
 from template.validation.integrity import IntegrityConfig
@@ -178,7 +188,7 @@ class Validator:
         contributed = self._contributed(pending)
         read = {hotkey: read_publication(fetched, self.peer.codec, shapes, self.peer.scope, contributed.get(hotkey))
                 for hotkey, fetched in publications.items() if not isinstance(fetched, str)}
-        accused, framed = self._audit(pending, read)
+        accused, framed, unshown = self._audit(pending, read)
         coverage = self._coverage(pending, framed)
         share, tokens = self._share_of_average(pending), self._token_share(pending)
         block = self.ctx.chain.block()
@@ -191,6 +201,10 @@ class Validator:
             if refused := accused.get(hotkey) or read[hotkey].reason:
                 binding.add(hotkey)  # proven from what it signed: not a timeout or a fetch that failed
                 candidates.append(Candidate(hotkey, uid, None, refused=refused, coverage=coverage.get(hotkey)))
+                continue
+            if hotkey in unshown:  # an owner that does not show what it averaged earns nothing for the round
+                candidates.append(Candidate(hotkey, uid, None, refused=f"did not show the inputs of {unshown[hotkey]} "
+                                            "segments it averaged as an owner", coverage=coverage.get(hotkey)))
                 continue
             candidates.append(Candidate(hotkey, uid, read[hotkey].tensors, fetched.meta.base_theta_hash,
                                         fetched.meta.published_at_block, coverage=coverage.get(hotkey),
@@ -252,22 +266,61 @@ class Validator:
         return {record.hotkey: commitment for peer_id, commitment in result.commitments.items()
                 if (record := pending.directory.get(peer_id)) is not None}
 
-    def _audit(self, pending: PendingRound, read: dict) -> tuple[dict[str, str], dict[str, int]]:
-        """hotkey → why the round's all-reduce convicts it (:func:`template.base.audit.audit_allreduce`), and
-        hotkey → segments of it refused without proof."""
+    def _audit(self, pending: PendingRound, read: dict) -> tuple[dict[str, str], dict[str, int], dict[str, int]]:
+        """hotkey → why the round's all-reduce convicts it (:func:`template.base.audit.audit_allreduce`), hotkey →
+        segments of it refused without proof, and hotkey → segments it owned whose inputs it did not show."""
         result = pending.result
         if result is None:
-            return {}, {}
+            return {}, {}, {}
         peers = {record.hotkey: peer_id for peer_id in result.group if (record := pending.directory.get(peer_id))}
         segments = {peers[hotkey]: r.segments for hotkey, r in read.items()
                     if r.tensors is not None and hotkey in peers}
+        served = self._owners_inputs(pending, owners_to_ask(result, segments))
         outcome = audit_allreduce(result, segments, self.peer.codec, self.peer.scope, pending.round,
-                                  self.peer.averaging_config.owner_rule)
+                                  self.peer.averaging_config.owner_rule, served)
         hotkeys = {peer_id: hotkey for hotkey, peer_id in peers.items()}
         self._audited = (outcome.segments_checked, outcome.segments_unchecked)
         accused = {hotkeys[peer]: f"convicted by the all-reduce: {why}" for peer, why in outcome.accused.items()
                    if peer in hotkeys}
-        return accused, {hotkeys[peer]: count for peer, count in outcome.framed.items() if peer in hotkeys}
+        return accused, {hotkeys[peer]: count for peer, count in outcome.framed.items() if peer in hotkeys}, \
+            {hotkeys[peer]: count for peer, count in outcome.unshown.items() if peer in hotkeys}
+
+    def _owners_inputs(self, pending: PendingRound, owners: list[str]) -> dict[str, dict[int, bytes]]:
+        """peer id → segment → bytes: what ``owners`` averaged in the pending round (fetched concurrently, bounded by
+        the fetch timeout), each sender's bytes verified against the root it signed, whoever served them."""
+        result = pending.result
+        if not owners or result is None:
+            return {}
+        commitments = {}
+        for peer_id, wire in result.commitments.items():
+            with contextlib.suppress(ContributionError):
+                commitments[peer_id] = Commitment.from_wire(wire)
+        by_key = {c.key: c for c in commitments.values()}
+        peer_of_key = {c.key: peer_id for peer_id, c in commitments.items()}
+        request = FetchRequest(PROTOCOL_VERSION, self.ctx.netuid, pending.round, FetchKind.INPUTS)
+        codec, members = self.peer.codec, list(result.group)
+        segment_bytes = codec.encoded_size(codec.segment_values)
+
+        async def one(owner: str):
+            start, stop = result.evidence.ranges[members.index(owner)]
+            try:
+                return await fetch_owner_inputs(self.p2p, owner, request, timeout=self.settings.fetch_timeout,
+                                                max_bytes=(stop - start) * segment_bytes * len(commitments))
+            except (FetchError, ProtocolError, ValueError) as err:
+                log.info("owner %s did not show the inputs it averaged in round %d: %s", owner, pending.round, err)
+                return None
+
+        async def every_owner() -> list:
+            return await asyncio.gather(*(one(owner) for owner in owners))
+
+        fetched = self.ctx.runner.run(every_owner(), timeout=self.settings.fetch_timeout + 5)
+        served: dict[str, dict[int, bytes]] = {}
+        for got in filter(None, fetched):
+            for key, kept in verified_inputs(*got, by_key, segment_bytes).items():
+                served.setdefault(peer_of_key[key], {}).update(kept)
+        log.info("round %d: %d owners asked for the inputs they averaged, %d showed some", pending.round, len(owners),
+                 sum(got is not None for got in fetched))
+        return served
 
     def _coverage(self, pending: PendingRound, framed: dict[str, int]) -> dict[str, float]:
         """hotkey → the share of the round's averaged segments that include its contribution, counting the segments

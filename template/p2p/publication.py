@@ -42,9 +42,10 @@ import asyncio
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
+from typing import TypeVar
 
 import bittensor as bt
 from google.protobuf.message import DecodeError
@@ -59,8 +60,10 @@ from template.protocol import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
     PROTOCOL_VERSION,
+    FetchKind,
     FetchReply,
     FetchRequest,
+    InputsMeta,
     ProtocolError,
     PublicationMeta,
     ReplyStatus,
@@ -81,11 +84,13 @@ __all__ = [
     "RateLimitedError",
     "RefusedError",
     "TransportError",
+    "fetch_owner_inputs",
     "fetch_publication",
     "permit_holders",
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HANDLER_NAME = f"diloco.publication.v{PROTOCOL_VERSION}"
 CHUNK_BYTES = 2 << 20  # 2 MiB of payload per frame
@@ -242,6 +247,7 @@ class PublicationServer:
         self.request_timeout, self.response_timeout = request_timeout, response_timeout
         self._limiter = _RateLimiter(max_requests_per_minute)
         self._published: dict[int, _Stored] = {}
+        self._inputs: dict[int, tuple[InputsMeta, bytes]] = {}  # round -> what we averaged as an owner
         self._lock = threading.Lock()
 
     async def start(self) -> None:
@@ -294,6 +300,16 @@ class PublicationServer:
         log.info("published round %d: %d segments, %d bytes (%s)", round, len(segments), len(payload), codec)
         return meta
 
+    def keep_inputs(self, round: int, inputs: InputsMeta, payload: bytes) -> None:
+        """Keep what this miner averaged as an owner in ``round`` (the senders' accepted segments) for validators
+        that must recompute a segment whose senders did not all publish; kept as long as publications."""
+        if inputs.round != round or inputs.payload_bytes != len(payload):
+            raise ValueError("the inputs' round or sizes do not match")
+        with self._lock:
+            self._inputs[round] = (inputs, payload)
+            for old in sorted(self._inputs)[: -self.keep_rounds]:
+                del self._inputs[old]
+
     async def _handle(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         remote = info.peer_id.to_base58()
         with closing(writer):
@@ -328,19 +344,27 @@ class PublicationServer:
             reason = f"this miner serves netuid {self.netuid}, not {request.netuid}"
             return await _send_reply(writer, _reply(ReplyStatus.BAD_REQUEST, reason))
         with self._lock:
-            stored = self._published.get(request.round)
-            available = sorted(self._published)
-        if stored is None:
-            reason = f"round {request.round} is not published here (available: {available})"
+            if request.kind == FetchKind.INPUTS:
+                kept = self._inputs.get(request.round)
+                reply = kept and FetchReply(PROTOCOL_VERSION, ReplyStatus.OK, inputs=kept[0],
+                                            payload_bytes=len(kept[1]))
+                available, payload = sorted(self._inputs), kept and kept[1]
+            else:
+                stored = self._published.get(request.round)
+                reply = stored and FetchReply(PROTOCOL_VERSION, ReplyStatus.OK, meta=stored.meta,
+                                              payload_bytes=len(stored.payload))
+                available, payload = sorted(self._published), stored and stored.payload
+        if reply is None:
+            what = "published" if request.kind == FetchKind.PUBLICATION else "averaged (no inputs kept)"
+            reason = f"round {request.round} is not {what} here (available: {available})"
             return await _send_reply(writer, _reply(ReplyStatus.NOT_FOUND, reason))
-        reply = FetchReply(PROTOCOL_VERSION, ReplyStatus.OK, meta=stored.meta, payload_bytes=len(stored.payload))
         await _send_reply(writer, reply)
-        for offset in range(0, len(stored.payload), CHUNK_BYTES):
-            chunk = stored.payload[offset : offset + CHUNK_BYTES]
+        for offset in range(0, len(payload), CHUNK_BYTES):
+            chunk = payload[offset : offset + CHUNK_BYTES]
             tensor = runtime_pb2.Tensor(buffer=chunk, size=[len(chunk)], dtype="uint8")
             await P2P.send_protobuf(runtime_pb2.ExpertResponse(tensors=[tensor]), writer)
-        log.debug("served round %d to %s (%s)", request.round, remote, decision.hotkey)
-        if self.on_served is not None:
+        log.debug("served the %s of round %d to %s (%s)", request.kind, request.round, remote, decision.hotkey)
+        if self.on_served is not None and request.kind == FetchKind.PUBLICATION:
             self.on_served(request.round, decision.hotkey)
 
 
@@ -367,29 +391,84 @@ async def fetch_publication(
     within ``timeout``. Raises RefusedError, RateLimitedError, NotFoundError, ProtocolError, FetchTimeoutError or
     TransportError.
     """
+    peer_id = _peer_id(peer_id)
+    layout = None if expected_layout is None else [(name, tuple(shape)) for name, shape in expected_layout]
+    return await _with_attempts(lambda: _fetch(p2p, peer_id, request, expected_hotkey, max_bytes, layout),
+                                request, peer_id, timeout, attempts)
+
+
+async def fetch_owner_inputs(p2p: P2P, peer_id: str | PeerID, request: FetchRequest, *, max_bytes: int,
+                             timeout: float = 60.0, attempts: int = FETCH_ATTEMPTS) -> tuple[InputsMeta, bytes]:
+    """Fetch what the miner at ``peer_id`` averaged as an owner in ``request.round`` (``request.kind`` inputs): the
+    metadata, well-formed and for this round, and a payload of at most ``max_bytes`` that hashes to it. Whether
+    the segments are the senders' is for the caller to check against their signed roots
+    (:func:`template.allreduce.owner_inputs.verified_inputs`). Raises as :func:`fetch_publication`."""
+    if request.kind != FetchKind.INPUTS:
+        raise ValueError("fetch_owner_inputs asks for inputs")
+    peer_id = _peer_id(peer_id)
+    return await _with_attempts(lambda: _fetch_inputs(p2p, peer_id, request, max_bytes), request, peer_id, timeout,
+                                attempts)
+
+
+def _peer_id(peer_id: str | PeerID) -> PeerID:
     if isinstance(peer_id, str):
         if not is_peer_id(peer_id):
             raise ValueError(f"{peer_id!r} is not a PeerID")
         peer_id = PeerID.from_base58(peer_id)
+    return peer_id
+
+
+async def _with_attempts(fetch: Callable[[], Awaitable[T]], request: FetchRequest, peer_id: PeerID, timeout: float,
+                         attempts: int) -> T:
+    """``fetch()`` within ``timeout``, again when its stream broke, ``attempts`` times in all (a fetch is
+    idempotent)."""
     if attempts < 1:
         raise ValueError("attempts must be >= 1")
-    layout = None if expected_layout is None else [(name, tuple(shape)) for name, shape in expected_layout]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    what = f"the {request.kind} of round {request.round} from {peer_id}"
     for attempt in range(1, attempts + 1):
         try:
-            return await asyncio.wait_for(
-                _fetch(p2p, peer_id, request, expected_hotkey, max_bytes, layout), deadline - loop.time()
-            )
+            return await asyncio.wait_for(fetch(), deadline - loop.time())
         except asyncio.TimeoutError:
-            raise FetchTimeoutError(
-                f"fetching round {request.round} from {peer_id} took longer than {timeout}s") from None
+            raise FetchTimeoutError(f"fetching {what} took longer than {timeout}s") from None
         except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as err:
-            failure = f"fetching round {request.round} from {peer_id} failed (attempt {attempt} of {attempts}): {err!r}"
+            failure = f"fetching {what} failed (attempt {attempt} of {attempts}): {err!r}"
             if attempt == attempts:
                 raise TransportError(failure) from None
             log.warning("%s: fetching again", failure)
     raise AssertionError("unreachable: the last attempt returns or raises TransportError")
+
+
+async def _ask(p2p: P2P, peer_id: PeerID, request: FetchRequest) -> tuple[FetchReply, asyncio.StreamReader,
+                                                                            asyncio.StreamWriter]:
+    """Open a stream, send the request and read the reply's first frame (the caller closes the writer)."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, HANDLER_NAME)
+    try:
+        await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=request.encode()), writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+        body, is_error = await _read_frame(reader, MAX_REPLY_BYTES + _FRAME_OVERHEAD)
+        reply = FetchReply.decode(_parse(runtime_pb2.ExpertResponse, body, is_error, "reply").metadata)
+    except BaseException:
+        writer.close()
+        raise
+    _raise_for_status(reply)
+    return reply, reader, writer
+
+
+async def _read_payload(reader: asyncio.StreamReader, size: int) -> bytes:
+    """The payload frames after an ok reply, which must add up to exactly ``size`` bytes."""
+    payload = bytearray()
+    while len(payload) < size:
+        body, is_error = await _read_frame(reader, CHUNK_BYTES + _FRAME_OVERHEAD)
+        chunk = _parse(runtime_pb2.ExpertResponse, body, is_error, "payload chunk")
+        if len(chunk.tensors) != 1 or chunk.metadata or chunk.tensors[0].dtype != "uint8":
+            raise ProtocolError("a payload frame must carry exactly one uint8 tensor and no metadata")
+        buffer = chunk.tensors[0].buffer
+        if not buffer or len(payload) + len(buffer) > size:
+            raise ProtocolError("payload frames do not add up to the announced size")
+        payload += buffer
+    return bytes(payload)
 
 
 async def _fetch(
@@ -400,40 +479,33 @@ async def _fetch(
     max_bytes: int | None,
     layout: list[tuple[str, tuple[int, ...]]] | None,
 ) -> Publication:
-    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, HANDLER_NAME)
+    reply, reader, writer = await _ask(p2p, peer_id, request)
     with closing(writer):
-        await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=request.encode()), writer)
-        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
-
-        body, is_error = await _read_frame(reader, MAX_REPLY_BYTES + _FRAME_OVERHEAD)
-        reply = FetchReply.decode(_parse(runtime_pb2.ExpertResponse, body, is_error, "reply").metadata)
         meta = _check_reply(reply, request, expected_hotkey, layout)
         limit = payload_size_limit(meta.names, meta.shapes)
         limit = limit if max_bytes is None else min(limit, max_bytes)
         if reply.payload_bytes > limit:
             raise ProtocolError(f"the announced payload of {reply.payload_bytes} bytes exceeds the limit of {limit}")
-
-        payload = bytearray()
-        while len(payload) < reply.payload_bytes:
-            body, is_error = await _read_frame(reader, CHUNK_BYTES + _FRAME_OVERHEAD)
-            chunk = _parse(runtime_pb2.ExpertResponse, body, is_error, "payload chunk")
-            if len(chunk.tensors) != 1 or chunk.metadata or chunk.tensors[0].dtype != "uint8":
-                raise ProtocolError("a payload frame must carry exactly one uint8 tensor and no metadata")
-            buffer = chunk.tensors[0].buffer
-            if not buffer or len(payload) + len(buffer) > reply.payload_bytes:
-                raise ProtocolError("payload frames do not add up to the announced size")
-            payload += buffer
-    return Publication(peer_id=peer_id.to_base58(), meta=meta, payload=check_payload(bytes(payload), meta,
-                                                                                      max_bytes=limit))
+        payload = await _read_payload(reader, reply.payload_bytes)
+    return Publication(peer_id=peer_id.to_base58(), meta=meta, payload=check_payload(payload, meta, max_bytes=limit))
 
 
-def _check_reply(
-    reply: FetchReply,
-    request: FetchRequest,
-    expected_hotkey: str,
-    layout: list[tuple[str, tuple[int, ...]]] | None,
-) -> PublicationMeta:
-    """Map a non-ok status to its error; check that the metadata answers our request and is signed by the hotkey."""
+async def _fetch_inputs(p2p: P2P, peer_id: PeerID, request: FetchRequest, max_bytes: int) -> tuple[InputsMeta, bytes]:
+    reply, reader, writer = await _ask(p2p, peer_id, request)
+    with closing(writer):
+        inputs = reply.inputs
+        if inputs is None or (inputs.netuid, inputs.round) != (request.netuid, request.round):
+            raise ProtocolError(f"asked for the inputs of netuid {request.netuid} round {request.round}, got other")
+        if reply.payload_bytes > max_bytes:
+            raise ProtocolError(f"the announced inputs of {reply.payload_bytes} bytes exceed the limit of {max_bytes}")
+        payload = await _read_payload(reader, reply.payload_bytes)
+    if hashlib.sha256(payload).hexdigest() != inputs.payload_sha256:
+        raise ProtocolError("the inputs' payload does not hash to their metadata")
+    return inputs, payload
+
+
+def _raise_for_status(reply: FetchReply) -> None:
+    """Map a non-ok status to its error."""
     errors = {
         ReplyStatus.RATE_LIMITED: RateLimitedError,
         ReplyStatus.REFUSED: RefusedError,
@@ -442,8 +514,18 @@ def _check_reply(
     }
     if reply.status in errors:
         raise errors[reply.status](f"{reply.status}: {reply.reason}")
+
+
+def _check_reply(
+    reply: FetchReply,
+    request: FetchRequest,
+    expected_hotkey: str,
+    layout: list[tuple[str, tuple[int, ...]]] | None,
+) -> PublicationMeta:
+    """Check that the metadata answers our request and is signed by the hotkey."""
     meta = reply.meta
-    assert meta is not None  # FetchReply guarantees metadata with status ok
+    if meta is None:
+        raise ProtocolError("asked for a publication, got another kind of reply")
     if (meta.netuid, meta.round) != (request.netuid, request.round):
         raise ProtocolError(f"asked for netuid {request.netuid} round {request.round}, got {meta.netuid}/{meta.round}")
     if meta.hotkey != expected_hotkey:

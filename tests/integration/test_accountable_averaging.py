@@ -1,22 +1,21 @@
-"""Attacks inside the all-reduce protocol (DESIGN.md §9), on one small network: mock chain, 1 validator, 5 miners.
+"""Attacks on the accountable all-reduce (DESIGN.md §9, §12), together on one network: mock chain, 1 validator,
+7 miners.
 
-Two honest miners share the network with one miner per attack on the accountable all-reduce
-(``template/base/behaviours.py`` has the table):
+Three honest miners share the network with one miner per attack (``template/base/behaviours.py`` has the table):
 
+- twofaced: trains honestly, publishes Δ, contributes −Δ (its publication is refused: not what it contributed);
 - equivocator: commits to Δ, sends its segments' owners other bytes (signing them);
 - liar-reducer: as an owner, returns the negated average of its segments to every member (signing it);
 - framer: as an owner, refuses another sender's segments with a forged proof.
 
-The two-faced miners (publication ≠ contribution) run in tests/integration/test_validator.py, not here: the validator
-recomputes an averaged segment only when it holds the publication of every sender included in it, and a two-faced
-miner's publication is refused, so in one group with it a liar-reducer's segments cannot be checked (measured: the
-liar then took 96 % of the weight; docs/validation.md, known limits).
+The twofaced miner's refused publication went into every segment; the validator still recomputes each of them,
+from the inputs their owners kept and serve (``template/allreduce/owner_inputs.py``), so it shields no liar (before
+they served them, the liar took 96 % of the weight beside a twofaced miner).
 
-Judged after 6 scored rounds (5 paid: the validator's first is not, as it does not hold the previous average yet):
+Judged after 7 scored rounds (6 paid: the validator's first is not, as it does not hold the previous average yet):
 the honest miners hold ≥ 95 % of the weight together and none has less than half the honest average; every attacker
-gets ≤ 1 %; the validator convicts each attacker with a reason resting on what the
-attacker signed, and never an honest miner (counted over every honest scored row); every honest miner ends every
-round on the same θ.
+gets ≤ 1 %; the validator convicts each attacker with a reason resting on what the attacker signed, and never an
+honest miner (counted over ≥ 20 honest scored rows); every honest miner ends every round on the same θ.
 """
 
 from __future__ import annotations
@@ -28,16 +27,18 @@ from tests.integration.neuron_processes import events
 
 RUN = ("--run.data", "stdlib", "--run.inner_steps", "20", "--run.warmup_steps", "20",
        "--averaging.matchmaking_time", "4")
-SETTINGS = NetworkSettings(netuid=5, seconds_per_block=0.5, blocks_per_round=40, tempo=20, judged_rounds=6,
+SETTINGS = NetworkSettings(netuid=5, seconds_per_block=0.5, blocks_per_round=40, tempo=20, judged_rounds=7,
                            run_args=RUN)
-HONEST = {"honest-a": ("--miner.behaviour", "honest"), "honest-b": ("--miner.behaviour", "honest")}
+HONEST = {name: ("--miner.behaviour", "honest") for name in ("honest-a", "honest-b", "honest-c")}
 ATTACKERS = {
+    "twofaced": ("--miner.behaviour", "twofaced"),
     "equivocator": ("--miner.behaviour", "equivocator"),
     "liar-reducer": ("--miner.behaviour", "liar-reducer"),
     "framer": ("--miner.behaviour", "framer"),
 }
 # the reason the validator gives for each attack it can prove (a fragment of it)
 PROVEN = {
+    "twofaced": "other bytes than it contributed",
     "equivocator": "other than it committed",
     "liar-reducer": "wrong average",
     "framer": "without proof",
@@ -87,12 +88,12 @@ def test_no_honest_miner_is_ever_convicted(network):
     rows = [row for name in HONEST for row in rows_of(network, name)]
     convicted = [row for row in rows if row["binding"]]
     print(f"honest rows scored: {len(rows)}, convicted: {len(convicted)}")
-    assert len(rows) >= 2 * (SETTINGS.judged_rounds - 1) and not convicted, convicted
+    assert len(rows) >= 20 and not convicted, convicted
 
 
 @pytest.mark.timeout(900)
 def test_honest_miners_end_every_round_on_the_same_theta(network):
     hashes = [{e["round"]: e["theta_hash"] for e in network["rounds"][name] if e["allreduce_ok"]} for name in HONEST]
-    common = sorted(set(hashes[0]) & set(hashes[1]))
+    common = sorted(set.intersection(*(set(h) for h in hashes)))
     assert len(common) >= SETTINGS.judged_rounds, hashes
-    assert all(hashes[0][r] == hashes[1][r] for r in common), [(r, hashes[0][r], hashes[1][r]) for r in common]
+    assert all(len({h[r] for h in hashes}) == 1 for r in common), [(r, [h[r] for h in hashes]) for r in common]

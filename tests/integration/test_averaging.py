@@ -29,12 +29,15 @@ from hivemind.utils import get_dht_time
 
 from template.allreduce.averager import AveragingConfig, AveragingResult, PseudoGradientAverager
 from template.allreduce.codecs import get_codec
+from template.allreduce.contribution import Commitment
+from template.allreduce.owner_inputs import verified_inputs
 from template.allreduce.reduction import WEIGHT_CAP_MULTIPLE, OwnerRule, SegmentInput
 from template.allreduce.segment_reducer import Contribution, SegmentReducer
 from template.allreduce.terms import AllReduceFaults
-from template.base.audit import audit_allreduce
+from template.base.audit import audit_allreduce, owners_to_ask
 from template.base.behaviours import Concentrated
 from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
+from template.protocol import InputsMeta
 from tests.integration.p2p_helpers import AVERAGER_CHILD_PREAMBLE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -272,6 +275,47 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
         assert max_error(validator.averaged, weighted_mean(deltas, WEIGHTS[:2])) <= codec_tolerance(codec, deltas)
     else:
         assert set(outcome.accused) == {ids[1]} and "wrong average" in outcome.accused[ids[1]], outcome
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_publication_shields_no_lying_owner_the_owners_show_what_they_averaged(dhts):
+    """Sender 0 publishes nothing (a twofaced miner's publication is refused alike): from the publications alone no
+    segment can be recomputed, and the owner that returned the negated average to everyone would go free. Each owner
+    kept the inputs it accepted (``AveragingResult.inputs``): served over the wire form and checked against each
+    sender's signed root, they let the validator recompute every segment — the liar is convicted, the honest owner
+    is not, and an owner that shows nothing is counted (``unshown``)."""
+    config = fast_config()
+    configs = [config, config, dataclasses.replace(config, auxiliary=True)]
+    with averagers(dhts, configs, faults=[None, AllReduceFaults(lie="all"), None]) as peers:
+        contributions = [peer.contribute(delta) for peer, delta in zip(peers, [random_deltas(0), random_deltas(1)],
+                                                                       strict=False)]
+        results = average_all(peers, contributions + [None], WEIGHTS[:2] + [0.0])
+        ids = [peer.peer_id for peer in peers]
+        codec = peers[2].codec
+    validator, segments = results[2], len(contributions[0].segments)
+    assert all(r.ok for r in results) and validator.inputs is None, [r.reason for r in results]
+    published = {ids[1]: contributions[1].segments}  # sender 0 did not publish
+    blind = audit_allreduce(validator, published, codec, config.prefix, 0, config.owner_rule)
+    assert (blind.segments_checked, blind.accused, set(blind.unshown)) == (0, {}, {ids[0], ids[1]}), blind
+    assert owners_to_ask(validator, published) == sorted(ids[:2])
+    commitments = [Commitment.from_wire(validator.commitments[peer]) for peer in ids[:2]]
+    served: dict = {}
+    for peer, result in zip(ids[:2], results[:2], strict=True):
+        meta, payload = result.inputs.to_wire(netuid=1, round=0)
+        meta = InputsMeta.from_dict(json.loads(json.dumps(meta.to_dict())))  # as it crosses the wire
+        verified = verified_inputs(meta, payload, {c.key: c for c in commitments}, len(payload))
+        assert set(verified) == {c.key for c in commitments}, peer  # every sender's bytes, its own included
+        for key, kept in verified.items():
+            served.setdefault(ids[[c.key for c in commitments].index(key)], {}).update(kept)
+    outcome = audit_allreduce(validator, published, codec, config.prefix, 0, config.owner_rule, served)
+    assert (outcome.segments_checked, outcome.unshown) == (segments, {}), outcome
+    assert set(outcome.accused) == {ids[1]} and "wrong average" in outcome.accused[ids[1]], outcome
+    shown = verified_inputs(*results[0].inputs.to_wire(1, 0), {c.key: c for c in commitments}, 1 << 30)
+    honest_only = {ids[0]: shown[commitments[0].key]}  # the liar shows nothing: its own segments stay unchecked
+    partial = audit_allreduce(validator, published, codec, config.prefix, 0, config.owner_rule, honest_only)
+    owned_by_liar = sum(1 for record in validator.evidence.segments.values() if list(validator.group)[record.owner]
+                        == ids[1])
+    assert partial.unshown == {ids[1]: owned_by_liar} and partial.accused == {}, partial
 
 
 @pytest.mark.timeout(120)

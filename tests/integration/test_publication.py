@@ -27,7 +27,14 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from template.allreduce.codecs import SegmentCodec, get_codec
-from template.allreduce.contribution import Commitment, codec_descriptor, encode_contribution
+from template.allreduce.contribution import (
+    Commitment,
+    codec_descriptor,
+    encode_contribution,
+    merkle_levels,
+    range_proof,
+)
+from template.allreduce.owner_inputs import InputKeeper, verified_inputs
 from template.base.audit import read_publication
 from template.chain.mock import MockSubstrate
 from template.chain.wallets import create_wallet
@@ -43,11 +50,13 @@ from template.p2p.publication import (
     RateLimitedError,
     RefusedError,
     TransportError,
+    fetch_owner_inputs,
     fetch_publication,
     permit_holders,
 )
 from template.protocol import (
     PROTOCOL_VERSION,
+    FetchKind,
     FetchReply,
     FetchRequest,
     ProtocolError,
@@ -379,3 +388,46 @@ def test_a_silent_peer_times_out(network):
     finally:
         network.loop.call_soon_threadsafe(release.set)
         run(network.loop, silent_p2p.remove_binary_stream_handler(HANDLER_NAME))
+
+
+def test_an_owner_serves_the_inputs_it_averaged_and_they_verify_against_the_senders_roots(network):
+    """The inputs an owner kept (OwnerInputs, as the runner fills them) travel over the same RPC (kind inputs) to a
+    permit holder only; the validator checks each sender's bytes against the root the sender signed, so a byte the
+    owner changed drops that segment, and a round it kept nothing for is not found."""
+    codec = get_codec("fp16")
+    signer = KeypairSigner(network.wallets["miner"].hotkey)
+    contribution = encode_contribution(codec, torch.cat([t.reshape(-1) for _, t in pseudo_gradient(seed=4)]))
+    commitment = Commitment.sign(signer, SCOPE, 3, contribution)
+    count, (start, stop) = len(contribution.segments), (1, 3)
+    keeper = InputKeeper(start, stop, count, [commitment.key])
+    keeper.header(0, contribution.leaves[start:stop], range_proof(merkle_levels(contribution.leaves), start, stop))
+    for k in range(start, stop):
+        keeper.keep(0, k, contribution.segments[k])
+    meta, payload = keeper.snapshot().to_wire(NETUID, 3)
+    miner = network.directory.by_hotkey(network.hotkey("miner"))
+    request = FetchRequest(PROTOCOL_VERSION, NETUID, 3, FetchKind.INPUTS)
+    with serving(network) as server:
+        publish(server, 3, pseudo_gradient(seed=1))
+        server.keep_inputs(3, meta, payload)
+        fetched, served = run(network.loop, fetch_owner_inputs(network.p2p["validator"], miner.peer_id, request,
+                                                               max_bytes=len(payload), timeout=15))
+        with pytest.raises(RefusedError):
+            run(network.loop, fetch_owner_inputs(network.p2p["permitless"], miner.peer_id, request,
+                                                 max_bytes=len(payload), timeout=15))
+        with pytest.raises(NotFoundError, match=r"round 4 is not averaged"):
+            later = FetchRequest(PROTOCOL_VERSION, NETUID, 4, FetchKind.INPUTS)
+            run(network.loop, fetch_owner_inputs(network.p2p["validator"], miner.peer_id, later,
+                                                 max_bytes=len(payload), timeout=15))
+        with pytest.raises(ProtocolError, match="exceed the limit"):
+            run(network.loop, fetch_owner_inputs(network.p2p["validator"], miner.peer_id, request,
+                                                 max_bytes=len(payload) - 1, timeout=15))
+        assert network.fetch("validator", 3).meta.round == 3  # publications are served as before
+    assert fetched == meta and served == payload
+    commitments = {commitment.key: commitment}
+    assert verified_inputs(fetched, served, commitments, len(payload)) == {
+        commitment.key: {k: contribution.segments[k] for k in range(start, stop)}}
+    forged = bytes([served[0] ^ 1]) + served[1:]
+    assert verified_inputs(fetched, forged, commitments, len(payload)) == {
+        commitment.key: {stop - 1: contribution.segments[stop - 1]}}
+    other = Commitment.sign(signer, SCOPE, 4, encode_contribution(codec, torch.ones(contribution.numel)))
+    assert verified_inputs(fetched, served, {commitment.key: other}, len(payload)) == {}
