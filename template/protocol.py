@@ -213,6 +213,14 @@ def _exact_fields(document: Mapping, cls: type, what: str) -> None:
         raise ProtocolError(f"{what}: missing fields {missing}, unknown fields {unknown}")
 
 
+def _from_object(cls: type, document: Any, what: str) -> Any:
+    """An instance of the dataclass ``cls`` from a JSON object with exactly its fields (validated by the class)."""
+    if not isinstance(document, Mapping):
+        raise ProtocolError(f"{what} must be an object, got {type(document).__name__}")
+    _exact_fields(document, cls, what)
+    return cls(**document)
+
+
 def _canonical_json(document: Mapping) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
@@ -295,10 +303,7 @@ class PublicationMeta:
 
     @classmethod
     def from_dict(cls, document: Any) -> PublicationMeta:
-        if not isinstance(document, Mapping):
-            raise ProtocolError(f"publication metadata must be an object, got {type(document).__name__}")
-        _exact_fields(document, cls, "publication metadata")
-        return cls(**document)
+        return _from_object(cls, document, "publication metadata")
 
     @classmethod
     def decode(cls, data: bytes) -> PublicationMeta:
@@ -406,19 +411,13 @@ class InputsMeta:
 
     @classmethod
     def from_dict(cls, document: Any) -> InputsMeta:
-        if not isinstance(document, Mapping):
-            raise ProtocolError(f"inputs metadata must be an object, got {type(document).__name__}")
-        _exact_fields(document, cls, "inputs metadata")
-        return cls(**document)
+        return _from_object(cls, document, "inputs metadata")
 
 
 def _sender_inputs(value: Any, start: int, stop: int) -> SenderInputs:
     """Validate one sender's entry (a SenderInputs or its JSON object) for the range [start, stop)."""
-    if isinstance(value, Mapping):
-        _exact_fields(value, SenderInputs, "sender inputs")
-        value = SenderInputs(**value)
     if not isinstance(value, SenderInputs):
-        raise ProtocolError("each sender entry must be an object")
+        value = _from_object(SenderInputs, value, "a sender's inputs")
     _hotkey(value.key)
     leaves, proof = _hex_list("leaves", value.leaves, stop - start), _hex_list("proof", value.proof, 128)
     if len(leaves) != stop - start:

@@ -51,11 +51,14 @@ from template.protocol import (
     MAX_META_BYTES,
     MAX_REQUEST_BYTES,
     PROTOCOL_VERSION,
+    FetchKind,
     FetchReply,
     FetchRequest,
+    InputsMeta,
     ProtocolError,
     PublicationMeta,
     ReplyStatus,
+    SenderInputs,
     check_payload,
     payload_size_limit,
 )
@@ -382,6 +385,59 @@ def test_request_and_replies_round_trip(wallets):
         FetchReply.decode(json.dumps({**json.loads(ok.encode()), "meta": None}).encode())
     with pytest.raises(ProtocolError, match="status must be one of"):
         FetchReply.decode(json.dumps({**json.loads(refused.encode()), "status": "maybe"}).encode())
+
+
+def inputs_meta(wallets, **changes) -> InputsMeta:
+    """An owner's inputs of segments [2, 4) of 6: one sender, both segments served (4 and 6 bytes)."""
+    sender = SenderInputs(wallets["a"].hotkey.ss58_address, ("ab" * 32, "cd" * 32), ("ef" * 32,), (2, 3), (4, 6))
+    fields = dict(version=PROTOCOL_VERSION, netuid=NETUID, round=9, start=2, stop=4, count=6, senders=(sender,),
+                  payload_sha256="00" * 32)
+    return InputsMeta(**{**fields, **changes})
+
+
+def test_an_inputs_request_and_reply_round_trip(wallets):
+    request = FetchRequest(PROTOCOL_VERSION, NETUID, 9, FetchKind.INPUTS)
+    assert FetchRequest.decode(request.encode()) == request
+    reply = FetchReply(PROTOCOL_VERSION, ReplyStatus.OK, inputs=inputs_meta(wallets), payload_bytes=10)
+    assert FetchReply.decode(reply.encode()) == reply
+    with pytest.raises(ProtocolError, match="kind must be one of"):
+        FetchRequest(PROTOCOL_VERSION, NETUID, 9, "everything")
+    with pytest.raises(ProtocolError, match="sizes add up"):
+        FetchReply(PROTOCOL_VERSION, ReplyStatus.OK, inputs=inputs_meta(wallets), payload_bytes=11)
+    with pytest.raises(ProtocolError, match="one kind of metadata"):
+        FetchReply(PROTOCOL_VERSION, ReplyStatus.OK, meta=signed_meta(wallets), inputs=inputs_meta(wallets),
+                   payload_bytes=10)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(start=4), r"stop=4 is outside"),
+    (dict(stop=7), r"stop=7 is outside"),
+    (dict(payload_sha256="zz"), "payload_sha256 must be lowercase hex"),
+    (dict(senders="x"), "senders must be a list"),
+    (dict(senders=("x",)), "a sender's inputs must be an object"),
+])
+def test_malformed_inputs_metadata_is_refused(wallets, change, message):
+    with pytest.raises(ProtocolError, match=message):
+        inputs_meta(wallets, **change)
+
+
+@pytest.mark.parametrize("sender_change, message", [
+    (dict(leaves=("ab" * 32,)), "leaves must cover the range"),
+    (dict(leaves=("AB" * 32, "cd" * 32)), "leaves must be lowercase hex"),
+    (dict(segments=(3, 2)), "must ascend"),
+    (dict(segments=(2, 4)), r"segment=4 is outside"),
+    (dict(sizes=(4,)), "one size each"),
+    (dict(key="not-a-hotkey"), "not an ss58 address"),
+])
+def test_a_malformed_sender_entry_is_refused(wallets, sender_change, message):
+    sender = dataclasses.replace(inputs_meta(wallets).senders[0], **sender_change)
+    with pytest.raises(ProtocolError, match=message):
+        inputs_meta(wallets, senders=(sender,))
+    document = inputs_meta(wallets).to_dict()
+    document["senders"] = [{**document["senders"][0], **{k: list(v) if isinstance(v, tuple) else v
+                                                         for k, v in sender_change.items()}}]
+    with pytest.raises(ProtocolError, match=message):
+        InputsMeta.from_dict(json.loads(json.dumps(document)))
 
 
 # --- payloads: size and hash (check_payload) ---------------------------------------------------------------------
