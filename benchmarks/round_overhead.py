@@ -150,14 +150,14 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
     overhead = median([row["overhead_s"] for row in samples])
     t_step = median([row["t_step_s"] for row in samples])
     allreduce = median([row["allreduce_s"] for row in samples])
+    inner = median([row["inner_s"] for row in samples])
     result.update(
         samples=len(samples), t_step_s=t_step, overhead_s=overhead,
         overhead_s_max=max(row["overhead_s"] for row in samples), allreduce_s=allreduce,
         outer_step_and_bookkeeping_s=median([row["overhead_s"] - row["allreduce_s"] for row in samples]),
         overhead_steps=overhead / t_step, overhead_steps_vs_solo=overhead / t_solo,
         utilization=utilization(t_step, overhead), utilization_vs_solo=utilization(t_solo, overhead),
-        inner_s=median([row["inner_s"] for row in samples]),
-        allreduce_over_compute=allreduce / median([row["inner_s"] for row in samples]),
+        inner_s=inner, allreduce_over_compute=allreduce / inner,
         wall_utilization=median([row["wall_utilization"] for row in samples]),
     )
     return result
