@@ -1,11 +1,11 @@
-"""The validator against cheating miners, on one small network: mock chain, 1 validator, 8 miner processes.
+"""The validator against cheating miners, on one small network: mock chain, 1 validator, 9 miner processes.
 
 Two honest miners (each on its own assigned data) share the network with one miner per attack: free-rider (zero Δ),
 noise (random Δ of honest norm), copycat (another miner's Δ plus small noise), stale (its Δ of two rounds ago),
-scaled (honest Δ × 10), overfitter (one fixed batch over and over). The two-faced miner of DESIGN.md §9 (publishes
-its Δ, contributes −Δ) runs with the attacks inside the all-reduce protocol in
-tests/integration/test_accountable_averaging.py (``twofaced-zero``, which contributes ~0 instead, is refused by the
-same check: tests/faults/test_publication_attacks.py).
+scaled (honest Δ × 10), overfitter (one fixed batch over and over), and the two-faced miner of DESIGN.md §9, which
+trains honestly and publishes its Δ but contributes −Δ to the all-reduce (``twofaced-zero``, which contributes ~0
+instead, is refused by the same check: tests/faults/test_publication_attacks.py). The attacks inside the all-reduce
+protocol run in tests/integration/test_accountable_averaging.py, with a two-faced miner beside them too.
 The exact copy and the copy of the group's Δ̄ are caught by the same checks; tests/unit/test_validation.py covers
 them without the cost of more processes.
 The data is real English prose that every Python carries (the ``stdlib`` source: pydoc topics and docstrings).
@@ -40,7 +40,7 @@ COPY = "tests.integration.copy_behaviours:"
 HONEST = {"honest-a": COPY + "LeakyHonest", "honest-b": "honest"}
 CHEATERS = {
     "freerider": "freerider", "noise": "noise", "copycat": COPY + "CopyLeakedNoisy", "stale": "stale",
-    "scaled": "scaled", "overfitter": "overfitter",
+    "scaled": "scaled", "overfitter": "overfitter", "twofaced": "twofaced",
 }
 # Warm-up over one round (20 steps) instead of the default 50: the judging window is 5 rounds, and while the learning
 # rate is still ramping up a tiny model memorizes nothing, so the copy test could not tell an original from its copy.
@@ -115,7 +115,7 @@ def test_the_reason_each_cheater_was_refused_is_reported(network):
     # largest usually passes the owners' value bound as well: convicted from its own signed bytes, or else refused
     # for its norm by the validator's own check; either names what it did
     expected = {"freerider": ("empty update",), "scaled": ("norm", "beyond the owner's bound"),
-                "stale": ("replays",), "copycat": ("copy of",)}
+                "stale": ("replays",), "copycat": ("copy of",), "twofaced": ("other bytes than it contributed",)}
     for name, fragments in expected.items():
         assert any(f in reason for reason in reasons[name] for f in fragments), (name, reasons[name])
     last = {uid_names[row["uid"]]: row for row in network["scored"][-1]["miners"]}
