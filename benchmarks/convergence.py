@@ -328,7 +328,8 @@ def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float
             "--inner-steps", str(setup.inner_steps), "--rounds", str(setup.rounds), "--run-seed", str(setup.run_seed),
             "--init-seed", str(setup.init_seed), "--outer-lr", str(arm.outer_lr),
             "--outer-momentum", str(arm.outer_momentum), "--compression", arm.codec, "--heldout-batches", "0",
-            "--matchmaking-time", str(matchmaking_time), "--join-timeout", "60"]
+            "--matchmaking-time", str(matchmaking_time), "--join-timeout", "60",
+            "--no-overlap"]  # the exact arm it is checked against waits for every all-reduce
     with tempfile.TemporaryDirectory(prefix="bench-conv-") as out:
         run = run_peers(setup.workers, args, Path(out), timeout_s, threads=1)
         result: dict[str, Any] = dict(asdict(arm), seconds=round(run.seconds, 1), finished=run.finished,

@@ -1,6 +1,6 @@
 """Round overhead: wall time a DiLoCo round loses to the all-reduce, the outer step and bookkeeping.
 
-``python -m benchmarks.round_overhead [--quick] [--skip-small]``
+``python -m benchmarks.round_overhead [--quick] [--skip-small] [--link-mbit M --link-latency-ms L] [--overlap both]``
 
 Real peers (``template.training.peer`` processes on 127.0.0.1, started like ``python -m template.training.run``)
 train a few rounds; from every peer's ``RoundReport`` of every round after the first (round 0 has no step-time
@@ -14,7 +14,9 @@ estimate to start matchmaking ahead, and pays one-time costs):
 ``--link-mbit M [--link-latency-ms L]`` puts every peer of the tiny run behind a simulated access link of M Mbit/s
 per direction (:mod:`template.p2p.simulated_link`, a loopback test knob): ``allreduce_over_compute`` then says how
 much of a round's compute the all-reduce takes on that link, and ``wall_utilization`` what the blocking engine
-keeps of the compute.
+keeps of the compute. ``--overlap both`` runs the tiny peers twice in the same run, blocking and then overlapped (round
+r's all-reduce runs while round r+1 trains: ``wall_utilization`` should approach 1; ``allreduce_s`` is then the
+all-reduce's own duration, most of it hidden behind training, and ``allreduce_wait_s`` what training still waited).
 
 The baseline measured in the same run is the step time itself: ``t_step`` as the peers saw it (N peers share
 the cores, so it is slower than alone), and ``t_step_solo`` of one process training alone with the same torch
@@ -29,7 +31,7 @@ import argparse
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from template.p2p.simulated_link import LinkSpec
 log = logging.getLogger("benchmarks.round_overhead")
 
 OVERHEAD_GOAL_STEPS = 5.0  # tiny preset, 4 peers
+OVERLAP_UTILIZATION_GOAL = 0.95  # inner compute / wall with overlap, when the all-reduce is 50–80 % of the compute
 UTILIZATION_H = (100, 500)
 # Resident memory of one peer process tree (peer + averager), measured: small ≈ 3.9 GB peer + 2.2 GB averager.
 MEMORY_PER_PEER_GB = {"tiny": 0.8, "small": 6.5}
@@ -67,6 +70,7 @@ class Config:
     threads: int
     link_mbit: float | None = None  # every peer behind a simulated access link (template.p2p.simulated_link)
     link_latency_ms: float = 0.0
+    overlap: bool = False  # round r's all-reduce runs while round r+1 trains (template.training.diloco)
 
 
 def solo_step_time(config: Config, data: str, steps: int) -> float:
@@ -114,7 +118,7 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
             "--seq-len", str(config.seq_len), "--batch-size", str(config.batch_size),
             "--inner-steps", str(config.inner_steps), "--rounds", str(config.rounds),
             "--compression", config.compression, "--matchmaking-time", str(config.matchmaking_time),
-            "--heldout-batches", "0", "--join-timeout", "60"]
+            "--heldout-batches", "0", "--join-timeout", "60", "--overlap" if config.overlap else "--no-overlap"]
     # Fresh peers build the same θ_0 from the seed; a short join timeout keeps the followers from downloading the
     # first peer's state at start (minutes for the small preset), which is start-up cost, not round overhead.
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as out:
@@ -134,6 +138,7 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
         if not reports:
             continue
         rows = [dict(overhead_s=rep["round_s"] - rep["inner_s"], allreduce_s=rep["allreduce_s"],
+                     allreduce_wait_s=rep["allreduce_wait_s"],
                      wall_utilization=rep["inner_s"] / rep["round_s"], inner_s=rep["inner_s"],
                      t_step_s=rep["inner_s"] / rep["inner_steps"], ok=rep["allreduce_ok"], reason=rep["reason"])
                 for rep in reports]
@@ -154,7 +159,8 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
     result.update(
         samples=len(samples), t_step_s=t_step, overhead_s=overhead,
         overhead_s_max=max(row["overhead_s"] for row in samples), allreduce_s=allreduce,
-        outer_step_and_bookkeeping_s=median([row["overhead_s"] - row["allreduce_s"] for row in samples]),
+        allreduce_wait_s=median([row["allreduce_wait_s"] for row in samples]),
+        outer_step_and_bookkeeping_s=median([row["overhead_s"] - row["allreduce_wait_s"] for row in samples]),
         overhead_steps=overhead / t_step, overhead_steps_vs_solo=overhead / t_solo,
         utilization=utilization(t_step, overhead), utilization_vs_solo=utilization(t_solo, overhead),
         inner_s=inner, allreduce_over_compute=allreduce / inner,
@@ -176,7 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="put every tiny-run peer behind a simulated access link of this many Mbit/s per "
                              "direction (a loopback test knob: template/p2p/simulated_link.py)")
     parser.add_argument("--link-latency-ms", type=float, default=0.0, help="one-way delay of the simulated link")
+    parser.add_argument("--overlap", choices=("off", "on", "both"), default="off",
+                        help="the tiny run blocking (off), overlapped (on: round r's all-reduce runs while round r+1 "
+                             "trains), or both in this run, blocking first")
     return parser
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             parser.error(str(err))
     quick, data, matchmaking_time = args.quick, args.data, args.matchmaking_time
-    configs = [Config("tiny", args.peers, seq_len=32 if quick else 128, batch_size=2 if quick else 8,
-                      inner_steps=args.inner_steps, rounds=args.rounds,
-                      compression=args.compression, matchmaking_time=matchmaking_time, threads=1,
-                      link_mbit=args.link_mbit, link_latency_ms=args.link_latency_ms)]
+    tiny = Config("tiny", args.peers, seq_len=32 if quick else 128, batch_size=2 if quick else 8,
+                  inner_steps=args.inner_steps, rounds=args.rounds,
+                  compression=args.compression, matchmaking_time=matchmaking_time, threads=1,
+                  link_mbit=args.link_mbit, link_latency_ms=args.link_latency_ms)
+    overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    configs = [replace(tiny, overlap=overlap) for overlap in overlaps]
     if not (quick or args.skip_small):
         configs.append(Config("small", 2, seq_len=64, batch_size=1, inner_steps=4, rounds=3,
                               compression=args.compression, matchmaking_time=matchmaking_time, threads=1))
@@ -218,8 +233,18 @@ def main(argv: list[str] | None = None) -> int:
         goal_met=tiny.get("overhead_steps") is not None and tiny["overhead_steps"] <= OVERHEAD_GOAL_STEPS,
         utilization={c["model"]: c.get("utilization") for c in result["configs"]},
         tiny_wall_utilization=tiny.get("wall_utilization"), tiny_allreduce_over_compute=tiny.get(
-            "allreduce_over_compute"), tiny_link_mbit=tiny.get("link_mbit"),
+            "allreduce_over_compute"), tiny_link_mbit=tiny.get("link_mbit"), tiny_overlap=tiny["overlap"],
     )
+    overlapped = [c for c in result["configs"] if c["model"] == "tiny" and c["overlap"]]
+    if args.overlap == "both" and overlapped:
+        result["summary"].update(
+            overlap_wall_utilization=overlapped[0].get("wall_utilization"),
+            overlap_allreduce_over_compute=overlapped[0].get("allreduce_over_compute"),
+            overlap_over_blocking_utilization=_ratio(overlapped[0].get("wall_utilization"),
+                                                     tiny.get("wall_utilization")),
+            overlap_goal=OVERLAP_UTILIZATION_GOAL,
+            overlap_goal_met=(overlapped[0].get("wall_utilization") or 0.0) >= OVERLAP_UTILIZATION_GOAL,
+        )
     result["seconds"] = round(time.monotonic() - started, 1)
     emit(result)
     return 0

@@ -145,6 +145,7 @@ class AveragingResult:
     commitments: dict[str, dict] = field(default_factory=dict)  # sender -> its signed commitment (wire form)
     evidence: AllReduceEvidence = field(default_factory=AllReduceEvidence)  # what this member saw (validators audit)
     inputs: OwnerInputs | None = None  # what it accepted as an owner: served to validators (template.p2p.publication)
+    finished_at: float = 0.0  # time.time() when the all-reduce ended in the averager process (0: it never ran)
 
     @property
     def coverage(self) -> dict[str, float]:
@@ -154,7 +155,8 @@ class AveragingResult:
 
 @dataclass
 class AveragingHandle:
-    """A step whose matchmaking runs in the background until :meth:`PseudoGradientAverager.finish`."""
+    """A step whose matchmaking runs in the background; its all-reduce starts at :meth:`PseudoGradientAverager.finish`
+    (or as soon as the group forms, after :meth:`PseudoGradientAverager.release`)."""
 
     control: StepControl
     weight: float
@@ -356,7 +358,13 @@ class PseudoGradientAverager:
             commitments={peer: data["commitment"] for peer, data in gathered.items()
                          if isinstance(data, dict) and isinstance(data.get("commitment"), dict)},
             evidence=evidence,
+            finished_at=report.finished_at,
         )
+
+    def release(self, handle: AveragingHandle) -> None:
+        """Let the all-reduce run as soon as its group forms, without waiting for :meth:`finish`: a peer that trains
+        the next round meanwhile (overlap) lands the result later with :meth:`finish`."""
+        handle.control.allow_allreduce()
 
     def average(
         self, tensors: Sequence[torch.Tensor] | None, weight: float, gather: Any, deadline: float, round: int = 0,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -251,6 +252,7 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         ttl = HELD_SHARES_TTL_REDUCER_TIMEOUTS * reducer_timeout
         asyncio.get_event_loop().call_later(ttl, self._release, runner.held)
         report = runner.report()
+        report.finished_at = time.time()
         # hivemind would call a partial result a success; we report it as a failure (without raising, so that
         # hivemind neither logs it as a crash nor retries) and leave the buffers untouched. Every registered segment
         # was checked finite when it was decoded: no second pass over the whole vector.

@@ -87,6 +87,7 @@ class AllReduceReport:
     bytes_received: int = 0
     failure: str = ""  # "" when every value arrived and the result was written
     inputs: OwnerInputs | None = None  # what we accepted as an owner, kept for validators (None: we own nothing)
+    finished_at: float = 0.0  # time.time() when the averager process ended the all-reduce (overlap: it ran unseen)
 
     @property
     def received_fraction(self) -> float:

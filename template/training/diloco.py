@@ -10,6 +10,25 @@ A round reads like the pseudo-code of DESIGN.md §1 (:meth:`DiLoCoPeer.run_round
     Δ̄  = all-reduce(c, weight = tokens)                              (committed, checked; never a partial result)
     θ_{r+1} = OuterNesterov(θ_r, Δ̄)
 
+With overlap (``RunSpec.overlap``, ``--overlap``) round r's all-reduce runs in the background while round r+1 trains,
+and its outer step lands one round late. Writing G_r for θ after the outer steps of rounds 0 … r−1 (the same on every
+peer, with the same outer momentum), a round r+1 starts while Δ̄_r is in flight, so each peer lets its own
+contribution c_r stand in for it (the *eager* update of Kale et al., 2025)::
+
+    S = OuterNesterov(G_r, decode(c_r))  on copies (θ and momentum unchanged)      (G_0 for round 0)
+    θ_local ← S; the plan's inner steps; Δ_{r+1} = S − θ_local
+    G_{r+1} = OuterNesterov(G_r, Δ̄_r)                                (round r lands: the true average)
+    all-reduce(Δ_{r+1}) starts in the background; it lands at the end of round r+2
+
+G — what is checkpointed, shared with joiners and compared by the group (the ``base`` of a round is the G it
+started from) — stays bit-identical on every peer; only the start point S is a peer's own, and it is a function of
+public data (G and the bytes the peer contributed). The mean of the peers' start points is the true G_{r+1} up to
+the average's rounding (the outer step is affine in Δ). Why eager and not a plain one-round delay (which diverged
+with Nesterov 0.9): docs/benchmarks.md §3a. A peer that did not land the previous round (its all-reduce failed, or it
+restarted with nothing in flight) re-syncs from live peers at the next round: their state is G with the round whose
+all-reduce they expect in flight, the same round as its own. A crash loses the round in flight (the checkpoint holds
+G and the round after it).
+
 What is guaranteed when things go wrong:
 
 - The all-reduce fails (no group before the deadline, a peer died, a part missing): the outer step is skipped
@@ -42,7 +61,7 @@ import hivemind
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from template.allreduce.averager import AveragingConfig, AveragingResult, PseudoGradientAverager
+from template.allreduce.averager import AveragingConfig, AveragingHandle, AveragingResult, PseudoGradientAverager
 from template.allreduce.codecs import SegmentCodec, get_codec, with_feedback
 from template.allreduce.contribution import (
     EncodedContribution,
@@ -50,6 +69,7 @@ from template.allreduce.contribution import (
     codec_descriptor,
     encode_contribution,
     encoded_sizes,
+    shaped,
 )
 from template.allreduce.terms import AllReduceFaults
 from template.training.checkpoint import flatten_state, load_latest_checkpoint, save_checkpoint, unflatten_state
@@ -58,7 +78,7 @@ from template.training.distributed import NodeGroup
 from template.training.inner import InnerTrainer, evaluate
 from template.training.joining import SharedState, announce_run_identity, check_run_identity, wait_until_ready
 from template.training.model import build_model, place_model
-from template.training.outer import OuterOptimizer
+from template.training.outer import OuterOptimizer, load_into
 from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport, Tensors
 from template.training.spec import RunMismatchError, RunSpec, fingerprint_of
 
@@ -123,6 +143,9 @@ class DiLoCoPeer:
         self.outer = OuterOptimizer(self.model, spec.outer)
         self.state = SharedState(self.outer, self.fingerprint)
         self._resync_needed = False  # the last all-reduce failed: look for a peer that completed it
+        self._in_flight: _InFlight | None = None  # overlap: the round whose all-reduce runs while the next trains
+        self._start: Tensors | None = None  # overlap: where the next round trains from, when it is not θ
+        self._shapes = [p.shape for p in self.model.parameters()]
         numel = sum(p.numel() for p in self.model.parameters())
         # what the codec did not send yet (error feedback), added to the next contribution; empty for dense codecs
         self.residual = torch.zeros(numel if self.codec.error_feedback else 0, dtype=torch.float32)
@@ -136,8 +159,7 @@ class DiLoCoPeer:
         if node.is_leader:
             assert dht is not None
             check_run_identity(dht, spec.run_id, self.identity)
-            shapes = [p.shape for p in self.model.parameters()]
-            self.averager = PseudoGradientAverager(dht, shapes, self.averaging_config, codec=self.codec,
+            self.averager = PseudoGradientAverager(dht, self._shapes, self.averaging_config, codec=self.codec,
                                                    signer=signer, state_provider=self.state.snapshot, faults=faults)
 
     @property
@@ -188,7 +210,7 @@ class DiLoCoPeer:
         round = self.round if round is None else round
         return RoundPlan(round, tuple(self.assigned_windows(round)), self.spec.inner_steps, train_until, finish_by)
 
-    def run_round(self, plan: RoundPlan, contribute: Contribute | None = None) -> RoundOutcome:
+    def run_round(self, plan: RoundPlan, contribute: Contribute | None = None) -> RoundOutcome | None:
         """Run ``plan`` (see the module docstring) and say what happened.
 
         ``contribute`` (default: Δ itself) chooses what enters the all-reduce — an attack on the contribution is a
@@ -196,6 +218,10 @@ class DiLoCoPeer:
         peer's moves the peer there (a chain-clocked neuron that missed rounds) and re-syncs θ from live peers first.
         If that re-sync adopts a state that is already past the plan's round, the plan is stale: nothing is trained
         and the outcome says so (plan the peer's new round next).
+
+        With overlap (``spec.overlap``), the call that trains round r lands round r−1's all-reduce (which ran while
+        round r trained), takes its outer step, starts round r's all-reduce in the background and returns round
+        r−1's outcome — None when no round was in flight; :meth:`land_last_round` lands the last one.
         """
         if plan.round < self.round:
             raise ValueError(f"round {plan.round} is over: this peer is at round {self.round}")
@@ -210,20 +236,70 @@ class DiLoCoPeer:
         if self._resync_needed and self.averager is not None:
             resync_timeout = self.averaging_config.matchmaking_time
             self._resync_needed = not self.state.adopt_from_peers(self.averager, resync_timeout, self.round)
+            if not self._resync_needed:
+                self._start = None  # a start point ahead of the θ left behind
         self._sync_ranks()
+        if self._in_flight is not None and self._in_flight.trained.plan.round != self.round - 1:
+            # its Δ̄ belongs on a θ this peer no longer holds (it skipped rounds or adopted a peer's state)
+            self._drop_in_flight(f"this peer moved to round {self.round}")
         if self.round != plan.round:
             return self._stale(plan, round_started)
+        trained = self._train_round(plan, contribute)
+        if not self.spec.overlap:
+            handle = self._begin(trained, trained.base_hash, release=False)
+            result = None
+            if handle is not None:
+                result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by))
+            applied = self._apply(result, trained.base_hash)
+            return self._land(trained, handle, result, applied, plan.round + 1, round_started)
+
+        landing = self._in_flight
+        result, applied = None, (False, "")
+        if landing is not None:
+            if landing.handle is not None:
+                result = self.averager.finish(landing.handle, landing.handle.deadline)
+            applied = self._apply(result, self.outer.theta_hash())
+        # round r's all-reduce starts once round r−1's outer step is taken: its group compares the θ that its
+        # average will be applied to (a member that missed round r−1's step holds another and will not apply it)
+        self._in_flight = _InFlight(trained, self._begin(trained, self.outer.theta_hash(), release=True), time.time())
+        own = trained.contribution
+        if landing is None:
+            outcome = None
+            in_step = plan.round == 0  # no round before the first: every peer starts from θ_0 alike
+            self._settle(plan.round + 1, in_step, evaluated_round=None, stand_in=own)
+        else:
+            outcome = self._land(landing.trained, landing.handle, result, applied, plan.round + 1, landing=landing,
+                                 stand_in=own)
+        self._in_flight.round_s = time.monotonic() - round_started
+        return outcome
+
+    def land_last_round(self) -> RoundOutcome | None:
+        """Overlap only: wait for the last round's all-reduce, take its outer step and return its outcome (None
+        when nothing is in flight). Call it before reading the final θ or stopping."""
+        landing, self._in_flight = self._in_flight, None
+        if landing is None:
+            return None
+        result = None
+        if landing.handle is not None:
+            result = self.averager.finish(landing.handle, landing.handle.deadline)
+        applied = self._apply(result, self.outer.theta_hash())
+        return self._land(landing.trained, landing.handle, result, applied, self.round, landing=landing)
+
+    def _train_round(self, plan: RoundPlan, contribute: Contribute | None) -> _Trained:
+        """θ_local ← θ, the plan's inner steps, then (leader) Δ and its encoding: everything but the all-reduce."""
         r = plan.round
-        self.outer.load_into(self.model)  # θ_local ← θ_r
+        start = self._start
+        if start is None:
+            self.outer.load_into(self.model)  # θ_local ← θ
+        else:
+            load_into(self.model, start)  # θ_local ← the start point (overlap)
         base_hash = self.outer.theta_hash()
         base = None if plan.contributes else [t.clone() for t in self.outer.params()]
         log.info("round %d starts from θ %s", r, base_hash[:12])
         stats = self._train(self._rank_batches(list(plan.windows)), plan.max_steps, plan.train_until, r, 0,
                             plan.max_steps)
-
-        # Δ, its encoding, the all-reduce and the outer step (leader); then every rank takes θ_{r+1} from the leader.
-        allreduce_started = time.monotonic()
-        delta = contribution = result = handle = None
+        trained_at = time.monotonic()
+        delta = contribution = None
         if self.averager is not None:
             if plan.train_until is not None:
                 # On a shared clock every peer starts matchmaking at the same moment, however early it finished
@@ -231,38 +307,89 @@ class DiLoCoPeer:
                 # group among themselves and leave the others out.
                 time.sleep(max(0.0, plan.train_until - time.time()))
             if plan.contributes:
-                delta = self.outer.pseudo_gradient(self.model)
+                delta = self.outer.pseudo_gradient(self.model, start)
                 contribution = self._encode(contribute(r, delta) if contribute is not None else delta)
-            scheduled = time.time() + self.averaging_config.matchmaking_time
-            gather = dict(peer_key=self.peer_key, round=r, base=base_hash, fingerprint=self.fingerprint)
-            handle = self.averager.begin(contribution, stats.tokens, gather, scheduled,
-                                         deadline=self._allreduce_deadline(scheduled, plan.finish_by),
-                                         scope=self.scope, round=r)
-            result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by))
-        allreduce_s = time.monotonic() - allreduce_started
-        took_step, reason = self._apply(result, base_hash) if self.node.is_leader else (False, "")
+        return _Trained(plan, base_hash, base, stats, delta, contribution, trained_at)
+
+    def _begin(self, trained: _Trained, onto: str, release: bool) -> AveragingHandle | None:
+        """Commit to the round's contribution and start matchmaking (leader). ``onto`` is the hash of the θ the
+        average will be applied to (the round's base without overlap); ``release``: let the all-reduce run without
+        waiting for :meth:`PseudoGradientAverager.finish` (overlap)."""
+        if self.averager is None:
+            return None
+        plan = trained.plan
+        scheduled = time.time() + self.averaging_config.matchmaking_time
+        gather = dict(peer_key=self.peer_key, round=plan.round, base=trained.base_hash, onto=onto,
+                      fingerprint=self.fingerprint)
+        handle = self.averager.begin(trained.contribution, trained.stats.tokens, gather, scheduled,
+                                     deadline=self._allreduce_deadline(scheduled, plan.finish_by),
+                                     scope=self.scope, round=plan.round)
+        if release:
+            self.averager.release(handle)
+        return handle
+
+    def _land(self, trained: _Trained, handle: AveragingHandle | None, result: AveragingResult | None,
+              applied: tuple[bool, str], next_round: int, round_started: float = 0.0, landing: _InFlight | None = None,
+              stand_in: EncodedContribution | None = None) -> RoundOutcome:
+        """After the trained round's outer step was taken or not (``applied``: :meth:`_apply`), move the state to
+        ``next_round`` and say what happened. Blocking: ``round_started`` times the round; overlap: ``landing`` says
+        when the all-reduce began and how long the call that trained the round took, and ``stand_in`` (see
+        :meth:`_settle`) is the contribution in flight."""
+        r = trained.plan.round
+        if landing is None:
+            allreduce_s = wait_s = time.monotonic() - trained.trained_at
+        else:
+            finished_at = result.finished_at if result is not None and result.finished_at else time.time()
+            allreduce_s = max(0.0, finished_at - landing.begun_at)
+            wait_s = result.seconds if result is not None else 0.0
+        took_step, reason = applied
+        heldout = self._settle(next_round, took_step, evaluated_round=r, stand_in=stand_in)
+        report = RoundReport(
+            round=r, base_theta_hash=trained.base_hash, inner_steps=trained.stats.steps, tokens=trained.stats.tokens,
+            train_loss=trained.stats.mean_loss, heldout_loss=heldout,
+            allreduce_ok=took_step, reason=reason, group_size=result.group_size if result else 0,
+            allreduce_s=allreduce_s,
+            round_s=landing.round_s if landing is not None else time.monotonic() - round_started,
+            inner_s=trained.stats.seconds, bytes_sent=result.bytes_sent if result else 0,
+            theta_hash=self.outer.theta_hash(), allreduce_wait_s=wait_s,
+        )
+        averaged = result.averaged if took_step and result is not None else None
+        return RoundOutcome(report, trained.base, trained.delta, averaged, result, trained.contribution,
+                            handle.commitment if handle is not None else None)
+
+    def _settle(self, next_round: int, in_step: bool, evaluated_round: int | None,
+                stand_in: EncodedContribution | None = None) -> float | None:
+        """After an outer step was taken (``in_step``) or not: the state moves to ``next_round`` (after a failed
+        round θ is kept, but the next round's data is new for everyone), a peer out of step re-syncs next round,
+        θ reaches every rank and is checkpointed. Returns θ's held-out loss on ``evaluated_round``'s windows (None:
+        not evaluated).
+
+        With ``stand_in`` (overlap: the contribution whose average is in flight), the next round starts from θ
+        stepped with it instead of the average (the eager update, module docstring).
+        """
         with self.state.changing():
-            self.state.round = r + 1  # after a failed round θ_r is kept, but the next round's data is new for everyone
-        self._resync_needed = self.node.is_leader and not took_step
+            self.state.round = next_round
+        self._resync_needed = self.node.is_leader and not in_step
         if self.averager is not None and self.dht is not None:
-            self.averager.set_state_priority(self.round if took_step else -1)  # joiners pick the newest state
+            self.averager.set_state_priority(self.round if in_step else -1)  # joiners pick the newest state
             announce_run_identity(self.dht, self.spec.run_id, self.identity)  # keep our record alive
+        self._start = self.outer.lookahead(shaped(stand_in.decoded, self._shapes)) if stand_in is not None else None
         self._sync_ranks()
         self.outer.load_into(self.model)
         if not self.node.hashes_agree(list(self.model.parameters())):
-            raise RuntimeError(f"round {r}: the ranks of this node hold different parameters")
-        heldout = self.evaluate_heldout(r) if self.heldout_batches else None
+            raise RuntimeError(f"round {next_round - 1}: the ranks of this node hold different parameters")
+        evaluate = self.heldout_batches and evaluated_round is not None
+        heldout = self.evaluate_heldout(evaluated_round) if evaluate else None
         self.save()
-        report = RoundReport(
-            round=r, base_theta_hash=base_hash, inner_steps=stats.steps, tokens=stats.tokens,
-            train_loss=stats.mean_loss, heldout_loss=heldout,
-            allreduce_ok=took_step, reason=reason, group_size=result.group_size if result else 0,
-            allreduce_s=allreduce_s, round_s=time.monotonic() - round_started, inner_s=stats.seconds,
-            bytes_sent=result.bytes_sent if result else 0, theta_hash=self.outer.theta_hash(),
-        )
-        averaged = result.averaged if took_step and result is not None else None
-        return RoundOutcome(report, base, delta, averaged, result, contribution,
-                            handle.commitment if handle is not None else None)
+        return heldout
+
+    def _drop_in_flight(self, why: str) -> None:
+        """Give up the all-reduce in flight (overlap): its result is not applied."""
+        dropped, self._in_flight = self._in_flight, None
+        self._start = None
+        if dropped is not None and dropped.handle is not None:
+            log.info("dropping round %d's all-reduce in flight: %s", dropped.trained.plan.round, why)
+            self.averager.finish(dropped.handle, time.time())
 
     def encode(self, tensors: Tensors) -> EncodedContribution:
         """``tensors`` encoded with the run's codec, as a contribution would be (no error feedback): for a
@@ -300,8 +427,11 @@ class DiLoCoPeer:
                              time.monotonic() - round_started, 0.0, 0, theta_hash)
         return RoundOutcome(report, None, None, None, None, None, None)
 
-    def _apply(self, result: AveragingResult | None, base_hash: str) -> tuple[bool, str]:
-        """Take the outer step if the all-reduce succeeded and our θ_r is the group's (majority) base."""
+    def _apply(self, result: AveragingResult | None, current: str) -> tuple[bool, str]:
+        """Take the outer step (leader) if the all-reduce succeeded and our θ (hash ``current``) is the one the group's
+        majority applies the average to."""
+        if not self.node.is_leader:
+            return False, ""
         if result is None:
             return False, "no averager"
         if not result.ok:
@@ -311,15 +441,15 @@ class DiLoCoPeer:
             # hivemind counts auxiliary members (validators) and zero-token members toward the group size: a
             # trainer "averaging" with a validator alone would apply its own Δ and drift away from the others
             return False, f"only {contributors} peer(s) with tokens in the group: round not applied"
-        bases: Counter[str] = Counter()
+        targets: Counter[str] = Counter()
         for peer, gathered in result.group.items():
-            if isinstance(gathered, dict) and isinstance(gathered.get("base"), str):
-                bases[gathered["base"]] += result.weights.get(peer, 0.0)
-        majority = max(bases.items(), key=lambda item: (item[1], item[0]))[0] if bases else base_hash
-        if majority != base_hash:
-            log.warning("our θ_r %s differs from the group's %s (bases by weight: %s)", base_hash[:12], majority[:12],
-                        {k[:12]: v for k, v in bases.items()})
-            return False, "our θ_r differs from the group's: re-syncing"
+            if isinstance(gathered, dict) and isinstance(gathered.get("onto"), str):
+                targets[gathered["onto"]] += result.weights.get(peer, 0.0)
+        majority = max(targets.items(), key=lambda item: (item[1], item[0]))[0] if targets else current
+        if majority != current:
+            log.warning("our θ %s differs from the group's %s (by weight: %s)", current[:12], majority[:12],
+                        {k[:12]: v for k, v in targets.items()})
+            return False, "our θ differs from the group's: re-syncing"
         with self.state.changing():
             self.outer.step(result.averaged)
         return True, ""
@@ -372,11 +502,17 @@ class DiLoCoPeer:
         return self.assignment.assigned_windows(self.peer_key, round, self.spec.inner_steps * self.spec.batch_size)
 
     def _sync_ranks(self) -> None:
-        """Every rank takes the leader's θ and round (no-op for a single-process peer)."""
+        """Every rank takes the leader's θ, round and start point (no-op for a single-process peer)."""
         if not self.node.distributed:
             return
         self.state.round = self.node.broadcast_int(self.round)
         self.node.broadcast_tensors(self.outer.params())
+        if self.node.broadcast_int(int(self._start is not None)):
+            if self._start is None:  # the leader's contribution is the node's: other ranks receive its start point
+                self._start = [t.clone() for t in self.outer.params()]
+            self.node.broadcast_tensors(self._start)
+        else:
+            self._start = None
 
     def save(self) -> Path | None:
         """Checkpoint θ_r, the outer momentum, the inner AdamW state and the round (leader rank only)."""
@@ -410,3 +546,26 @@ class _Stats:
     tokens: int
     mean_loss: float | None
     seconds: float
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """A round trained and (leader) encoded, before its all-reduce: what its outcome needs from the training."""
+
+    plan: RoundPlan
+    base_hash: str  # θ the round started from: its Δ is measured from it on every peer of the group
+    base: Tensors | None  # a copy of that θ, for plans that do not contribute
+    stats: _Stats
+    delta: Tensors | None
+    contribution: EncodedContribution | None
+    trained_at: float  # time.monotonic() when inner training ended
+
+
+@dataclass
+class _InFlight:
+    """Overlap: a round whose all-reduce runs in the background while the next round trains."""
+
+    trained: _Trained
+    handle: AveragingHandle | None  # None on ranks other than the leader
+    begun_at: float  # time.time() when its all-reduce was handed over
+    round_s: float = 0.0  # wall time of the call that trained it (set when that call returns)

@@ -61,11 +61,32 @@ class OuterOptimizer:
         return self._theta
 
     @torch.no_grad()
-    def pseudo_gradient(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """Δ = θ_r − θ_local, CPU float32, one tensor per parameter in ``model.parameters()`` order."""
+    def pseudo_gradient(self, model: torch.nn.Module, start: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Δ = θ_r − θ_local (or ``start`` − θ_local, when the round started elsewhere), CPU float32, one tensor per
+        parameter in ``model.parameters()`` order."""
         local = list(model.parameters())
         self._check_shapes(local, "model parameters")
-        return [theta - p.detach().to("cpu", torch.float32) for theta, p in zip(self._theta, local, strict=True)]
+        base = self._theta if start is None else start
+        return [theta - p.detach().to("cpu", torch.float32) for theta, p in zip(base, local, strict=True)]
+
+    @torch.no_grad()
+    def lookahead(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """θ after :meth:`step` with ``delta``, computed on new tensors: θ and the momentum are not changed.
+
+        The same arithmetic as torch's SGD step (``foreach=False``): buf' = μ·buf + Δ (Δ when there is no buf yet),
+        g = Δ + μ·buf' with Nesterov (buf' without), θ' = θ − lr·g. One parameter's temporaries at a time.
+        """
+        self._check_shapes(delta, "lookahead delta")
+        lr, momentum = self.config.lr, self.config.momentum
+        stepped = []
+        for theta, d in zip(self._theta, delta, strict=True):
+            d = d.detach().to("cpu", torch.float32)
+            if momentum:
+                buffer = self._sgd.state.get(theta, {}).get("momentum_buffer")
+                buffer = d.clone() if buffer is None else buffer.mul(momentum).add_(d)
+                d = d.add(buffer, alpha=momentum) if self.config.nesterov else buffer
+            stepped.append(theta.add(d, alpha=-lr))
+        return stepped
 
     @torch.no_grad()
     def step(self, averaged_delta: list[torch.Tensor]) -> None:
@@ -80,13 +101,10 @@ class OuterOptimizer:
         for theta in self._theta:
             theta.grad = None
 
-    @torch.no_grad()
     def load_into(self, model: torch.nn.Module) -> None:
         """Copies θ_r into the model's parameters in place (any device or dtype; optimizer state stays attached)."""
-        local = list(model.parameters())
-        self._check_shapes(local, "model parameters")
-        for p, theta in zip(local, self._theta, strict=True):
-            p.copy_(theta)
+        self._check_shapes(list(model.parameters()), "model parameters")
+        load_into(model, self._theta)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat tensors only: ``theta.{i}`` and, once a momentum step ran, ``momentum.{i}`` (copies)."""
@@ -128,3 +146,10 @@ class OuterOptimizer:
         for i, (t, theta) in enumerate(zip(tensors, self._theta, strict=True)):
             if t.shape != theta.shape:
                 raise ValueError(f"{what} {i}: shape {tuple(t.shape)}, θ has {tuple(theta.shape)}")
+
+
+@torch.no_grad()
+def load_into(model: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
+    """Copies ``tensors`` (``model.parameters()`` order and shapes) into the model's parameters in place."""
+    for p, tensor in zip(model.parameters(), tensors, strict=True):
+        p.copy_(tensor)

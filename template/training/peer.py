@@ -4,7 +4,8 @@ It starts a hivemind DHT node (loopback by default), builds the model and data o
 (own checkpoint or a live peer's), and runs rounds until the run's round counter reaches ``--rounds``. Progress
 goes to stdout as JSON lines (``ready``, ``progress``, ``round``, ``done``, ``error``), which
 ``python -m template.training.run`` reads; logs go to stderr. Works under ``torchrun --nproc_per_node K`` too:
-rank 0 alone starts the DHT and prints.
+rank 0 alone starts the DHT and prints. With ``--overlap`` a round's ``round`` event comes once its all-reduce has
+landed, during the next round (the last one before ``done``).
 
 On SIGINT/SIGTERM the peer stops where it is; the last finished round's checkpoint stays the latest on disk, and
 the averager and DHT are shut down.
@@ -17,7 +18,7 @@ import json
 import logging
 import signal
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(parser)
     parser.add_argument("--rounds", type=int, default=5, help="stop when the run reaches this many rounds")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="train round r+1 while round r's all-reduce runs, starting from θ stepped with this "
+                             "peer's own contribution; the true average's outer step lands one round late "
+                             "(--no-overlap: wait for every all-reduce; every peer of a run must agree)")
     add_averaging_args(parser)
     net = parser.add_argument_group("network")
     net.add_argument("--peer-key", required=True, help="this peer's name: selects its data assignment")
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     node = init_node_group()
     dht = peer = None
     try:
-        spec = run_spec_from(args)
+        spec = replace(run_spec_from(args), overlap=args.overlap)
         tokenizer, corpus = data_config_from(args).load(spec.seq_len, args.cache_dir)
         if node.is_leader:
             dht = start_dht(DHTConfig(host_maddrs=[args.host_maddr], initial_peers=list(args.initial_peers),
@@ -110,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
              round=peer.round, fingerprint=peer.fingerprint, params=sum(p.numel() for p in peer.model.parameters()),
              windows=corpus.num_windows, feedback_norm=peer.feedback_norm)
         while peer.round < args.rounds:
-            outcome = peer.run_round(peer.plan())
-            emit(node, "round", peer_key=args.peer_key, **asdict(outcome.report))
+            outcome = peer.run_round(peer.plan())  # with --overlap: the round before's, once it landed
+            if outcome is not None:
+                emit(node, "round", peer_key=args.peer_key, **asdict(outcome.report))
+        if (last := peer.land_last_round()) is not None:
+            emit(node, "round", peer_key=args.peer_key, **asdict(last.report))
         emit(node, "done", peer_key=args.peer_key, round=peer.round, theta_hash=peer.outer.theta_hash())
         return 0
     except KeyboardInterrupt:

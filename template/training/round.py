@@ -60,11 +60,13 @@ class RoundReport:
     allreduce_ok: bool
     reason: str
     group_size: int
-    allreduce_s: float  # from handing Δ over to having Δ̄ (what the round waits for)
+    allreduce_s: float  # from handing Δ over to having Δ̄
     round_s: float
     inner_s: float
     bytes_sent: int
     theta_hash: str  # of θ after the round: equal on every peer that took the step
+    allreduce_wait_s: float = 0.0  # of allreduce_s, how long training stood still for it (overlap: the rest ran
+    # while the next round trained)
 
 
 @dataclass(frozen=True)

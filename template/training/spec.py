@@ -1,6 +1,6 @@
 """What every peer of one DiLoCo run must agree on: the :class:`RunSpec` and its fingerprint.
 
-Two peers whose specs differ (model, sequence length, seeds, H, optimizers, corpus, vocabulary) would average
+Two peers whose specs differ (model, sequence length, seeds, H, optimizers, overlap, corpus, vocabulary) would average
 pseudo-gradients of different problems. The fingerprint is a hash of every such field: it names the run's averaging
 groups (peers of different fingerprints never meet) and its checkpoints (a checkpoint of another run is ignored),
 and :func:`template.training.joining.check_run_identity` compares the fields themselves, so that a misconfigured
@@ -37,6 +37,9 @@ class RunSpec:
     heldout_fraction: float = 0.05
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    # round r's all-reduce runs while round r+1 trains, and its outer step lands one round late (diloco.py): peers
+    # of one run must agree, since it decides which θ every round starts from
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not self.run_id or "." in self.run_id:

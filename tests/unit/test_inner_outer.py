@@ -11,7 +11,7 @@ import torch
 from template.training.data import ByteTokenizer, DataAssignment, TokenCorpus, build_corpus
 from template.training.inner import InnerConfig, InnerTrainer, NonFiniteLossError, evaluate
 from template.training.model import build_model
-from template.training.outer import OuterConfig, OuterOptimizer
+from template.training.outer import OuterConfig, OuterOptimizer, load_into
 
 REAL_TEXT = "stdlib"  # English prose every Python carries: no file outside the repository
 SEQ_LEN = 64
@@ -152,6 +152,34 @@ def test_nesterov_step_matches_the_formula() -> None:
             theta[i] = theta[i] - lr * (d + mu * buffers[i])
     for got, want in zip(outer.params(), theta, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("config", [OuterConfig(), OuterConfig(lr=1.0, momentum=0.0, nesterov=False),
+                                    OuterConfig(lr=0.5, momentum=0.8, nesterov=False)],
+                         ids=["nesterov", "sgd", "heavy-ball"])
+def test_lookahead_is_the_step_bit_for_bit_and_changes_nothing(config: OuterConfig) -> None:
+    """The overlap's start point (diloco.py, eager update) is θ after the step a peer would take with its own
+    contribution: the optimizer's own arithmetic, at the first step and later ones, leaving θ and momentum alone."""
+    model = build_model("tiny", 257, 32)
+    outer, twin = OuterOptimizer(model, config), OuterOptimizer(model, config)
+    for seed in range(3):
+        delta = random_deltas(model, seed)
+        state = {k: v.clone() for k, v in outer.state_dict().items()}
+        ahead = outer.lookahead(delta)
+        assert outer.state_dict().keys() == state.keys()
+        assert all(torch.equal(v, state[k]) for k, v in outer.state_dict().items())  # nothing changed
+        twin.step(delta)
+        assert all(torch.equal(a, b) for a, b in zip(ahead, twin.params(), strict=True))
+        outer.step(delta)
+
+
+def test_pseudo_gradient_from_a_start_point_other_than_theta() -> None:
+    model = build_model("tiny", 257, 32)
+    outer = OuterOptimizer(model, OuterConfig())
+    start = outer.lookahead(random_deltas(model, 1))
+    load_into(model, start)
+    assert all(d.abs().max() == 0 for d in outer.pseudo_gradient(model, start))
+    assert any(d.abs().max() > 0 for d in outer.pseudo_gradient(model))
 
 
 def test_pseudo_gradient_and_load_into_after_inner_training(corpus: TokenCorpus, assignment: DataAssignment) -> None:
