@@ -354,7 +354,7 @@ def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float
 
 def outer_of(codec: str, given: list[tuple[float, float]]) -> tuple[float, float]:
     """The outer step of a ``codec`` arm: the first ``--outer`` pair when given, else what the engine uses for that
-    codec (``SPARSE_OUTER`` for sparse, ``OuterConfig()`` for the dense codecs)."""
+    codec (``PLAIN_OUTER`` for sparse, ``OuterConfig()`` for the dense codecs)."""
     from template.training.outer import default_outer
 
     if given:

@@ -48,6 +48,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,14 +156,14 @@ class AveragingResult:
 
 @dataclass
 class AveragingHandle:
-    """A step whose matchmaking runs in the background; its all-reduce starts at :meth:`PseudoGradientAverager.finish`
-    (or as soon as the group forms, after :meth:`PseudoGradientAverager.release`)."""
+    """A step whose matchmaking runs in the background until :meth:`PseudoGradientAverager.finish`."""
 
     control: StepControl
     weight: float
     gather: Any  # what goes to the group: weight, terms, commitment and the caller's data
     deadline: float
     commitment: Commitment | None
+    cancelled: bool = False  # given up by PseudoGradientAverager.cancel: never retried
 
 
 class PseudoGradientAverager:
@@ -170,7 +171,8 @@ class PseudoGradientAverager:
     contribution encoded once, committed and signed (:mod:`template.allreduce.contribution`).
 
     One step at a time: :meth:`contribute` encodes, :meth:`begin` commits and starts matchmaking, :meth:`finish`
-    runs the all-reduce and the members' confirmation and returns by its deadline; :meth:`average` does all three.
+    runs the all-reduce and the members' confirmation and returns by its deadline (:meth:`finish_in_background` does
+    it while the caller goes on); :meth:`average` does all three.
     Nothing here knows about models, chains or validators: ``scope`` names the run, ``signer``/``verify`` the keys.
     """
 
@@ -205,6 +207,7 @@ class PseudoGradientAverager:
         # (measured: 91 % of the average received, 2 owners "failed", with 13 segments and the dense codecs)
         self._input = torch.zeros(self.buffer.nbytes, dtype=torch.uint8)
         self._closed = False
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce-finish")
         self._averager = CheckedAverager(
             [self._output, self._input],  # hivemind moves them to shared memory: the child process reads/writes here
             dht,
@@ -321,7 +324,7 @@ class PseudoGradientAverager:
             except BaseException as e:  # whatever the averager process set, CancelledError included
                 # a failure before any data moved (no group, leader left) can be retried within the deadline
                 retry_at = time.time() + self.config.matchmaking_time
-                if control.began_allreduce or retry_at >= deadline - self.config.request_timeout:
+                if handle.cancelled or control.began_allreduce or retry_at >= deadline - self.config.request_timeout:
                     return self._failure(started, f"{type(e).__name__}: {e}")
                 logger.info("averaging step failed before the all-reduce (%r); looking for a group again", e)
                 control = self._step(handle.weight, handle.gather, retry_at, deadline, require_trigger=False)
@@ -361,10 +364,17 @@ class PseudoGradientAverager:
             finished_at=report.finished_at,
         )
 
-    def release(self, handle: AveragingHandle) -> None:
-        """Let the all-reduce run as soon as its group forms, without waiting for :meth:`finish`: a peer that trains
-        the next round meanwhile (overlap) lands the result later with :meth:`finish`."""
-        handle.control.allow_allreduce()
+    def finish_in_background(self, handle: AveragingHandle, deadline: float) -> Future[AveragingResult]:
+        """:meth:`finish` on this averager's background thread: the all-reduce runs as soon as its group forms and
+        the members' confirmation follows, while the caller trains the next round (overlap). The future is done by
+        ``deadline`` at the latest; one all-reduce at a time."""
+        self._check_open()
+        return self._background.submit(self.finish, handle, deadline)
+
+    def cancel(self, handle: AveragingHandle) -> None:
+        """Give up ``handle``'s step: its :meth:`finish` fails soon and is not retried (its result is not wanted)."""
+        handle.cancelled = True
+        handle.control.cancel()
 
     def average(
         self, tensors: Sequence[torch.Tensor] | None, weight: float, gather: Any, deadline: float, round: int = 0,
@@ -403,6 +413,7 @@ class PseudoGradientAverager:
         if self._closed:
             return
         self._closed = True
+        self._background.shutdown(wait=False, cancel_futures=True)  # a running finish ends by its deadline
         if self._averager.is_alive():
             self._averager.shutdown()  # asks politely, joins for shutdown_timeout, then terminates
         if self._averager.is_alive():

@@ -16,7 +16,7 @@ from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, SparseSettings,
 from template.training.data import DataConfig
 from template.training.inner import InnerConfig
 from template.training.model import MODEL_PRESETS
-from template.training.outer import SPARSE_OUTER, OuterConfig, default_outer, outer_step
+from template.training.outer import PLAIN_OUTER, OuterConfig, default_outer, outer_step
 from template.training.spec import RunSpec
 
 Spelling = Callable[[str, str], str]  # (group, name) -> flag; names read well in both spellings
@@ -64,10 +64,10 @@ def add_run_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> No
     add("lr", type=float, default=InnerConfig.lr, help="inner AdamW peak learning rate")
     add("warmup_steps", type=int, default=InnerConfig.warmup_steps, help="inner learning-rate warmup steps")
     add("outer_lr", type=float, default=None,
-        help=f"outer SGD learning rate (default {OuterConfig.lr}; {SPARSE_OUTER.lr} with the sparse codec)")
+        help=f"outer SGD learning rate (default {OuterConfig.lr}; {PLAIN_OUTER.lr} with the sparse codec or overlap)")
     add("outer_momentum", type=float, default=None,
-        help=f"outer Nesterov momentum, 0 for plain SGD (default {OuterConfig.momentum}; {SPARSE_OUTER.momentum} "
-             "with the sparse codec)")
+        help=f"outer Nesterov momentum, 0 for plain SGD (default {OuterConfig.momentum}; {PLAIN_OUTER.momentum} "
+             "with the sparse codec or overlap)")
 
 
 def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> None:
@@ -94,17 +94,20 @@ def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed)
         help="seconds a peer may stay silent during the all-reduce before it is dropped")
 
 
-def run_spec_from(args: argparse.Namespace) -> RunSpec:
+def run_spec_from(args: argparse.Namespace, overlap: bool = False) -> RunSpec:
+    """The run the flags describe; ``overlap``: its all-reduces run while the next round trains (the engine's
+    ``--overlap``)."""
     return RunSpec(
         run_id=args.run_id, model=args.run_preset, seq_len=args.run_seq_len, run_seed=args.run_seed,
         init_seed=args.run_init_seed, batch_size=args.run_batch_size, inner_steps=args.run_inner_steps,
-        inner=InnerConfig(lr=args.run_lr, warmup_steps=args.run_warmup_steps), outer=outer_config_from(args),
+        inner=InnerConfig(lr=args.run_lr, warmup_steps=args.run_warmup_steps), outer=outer_config_from(args, overlap),
+        overlap=overlap,
     )
 
 
-def outer_config_from(args: argparse.Namespace) -> OuterConfig:
-    """The outer step the flags ask for; an unset one is the codec's default (:data:`SPARSE_OUTER` for sparse)."""
-    default = default_outer(compression_from(args) if hasattr(args, "averaging_compression") else "")
+def outer_config_from(args: argparse.Namespace, overlap: bool = False) -> OuterConfig:
+    """The outer step the flags ask for; an unset one is the default of the codec and overlap (`default_outer`)."""
+    default = default_outer(compression_from(args) if hasattr(args, "averaging_compression") else "", overlap)
     lr = default.lr if args.run_outer_lr is None else args.run_outer_lr
     momentum = default.momentum if args.run_outer_momentum is None else args.run_outer_momentum
     if not lr > 0 or not 0 <= momentum < 1:

@@ -18,7 +18,7 @@ import json
 import logging
 import signal
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     node = init_node_group()
     dht = peer = None
     try:
-        spec = replace(run_spec_from(args), overlap=args.overlap)
+        spec = run_spec_from(args, overlap=args.overlap)
         tokenizer, corpus = data_config_from(args).load(spec.seq_len, args.cache_dir)
         if node.is_leader:
             dht = start_dht(DHTConfig(host_maddrs=[args.host_maddr], initial_peers=list(args.initial_peers),
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 emit(node, "round", peer_key=args.peer_key, **asdict(outcome.report))
         if (last := peer.land_last_round()) is not None:
             emit(node, "round", peer_key=args.peer_key, **asdict(last.report))
+        peer.flush_checkpoint()  # the last checkpoint is on disk (or its CheckpointError raised) before "done"
         emit(node, "done", peer_key=args.peer_key, round=peer.round, theta_hash=peer.outer.theta_hash())
         return 0
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ from template.allreduce.codecs import SparseSettings
 from template.allreduce.contribution import codec_descriptor
 from template.training.cli import PRESET_COMPRESSION, averaging_flags_from, codec_from, run_spec_from
 from template.training.model import MODEL_PRESETS
-from template.training.outer import SPARSE_OUTER, OuterConfig
+from template.training.outer import PLAIN_OUTER, OuterConfig
 from template.training.peer import build_parser
 
 
@@ -38,8 +38,14 @@ def test_sparse_settings_for_a_dense_codec_or_invalid_ones_are_refused_with_the_
 
 
 def test_the_outer_step_defaults_to_the_codecs_and_zero_momentum_is_plain_sgd():
+    blocking = parse("--no-overlap")
+    assert run_spec_from(blocking, overlap=blocking.overlap).outer == OuterConfig()
+    overlapped = parse()  # the engine's default: with overlap, plain SGD for every codec (outer.py: PLAIN_OUTER)
+    assert overlapped.overlap and run_spec_from(overlapped, overlap=True).outer == PLAIN_OUTER
+    assert run_spec_from(parse("--outer-lr", "0.7", "--outer-momentum", "0.9"), overlap=True).outer == OuterConfig()
+    assert run_spec_from(parse(), overlap=True).overlap and not run_spec_from(parse()).overlap
     assert run_spec_from(parse()).outer == OuterConfig()
-    assert run_spec_from(parse("--compression", "sparse")).outer == SPARSE_OUTER
+    assert run_spec_from(parse("--compression", "sparse")).outer == PLAIN_OUTER
     assert run_spec_from(parse("--compression", "sparse", "--outer-momentum", "0.5")).outer == OuterConfig(1.0, 0.5)
     assert run_spec_from(parse("--outer-momentum", "0")).outer == OuterConfig(0.7, 0.0, nesterov=False)
     for bad in (("--outer-lr", "0"), ("--outer-momentum", "1.0"), ("--outer-momentum", "-0.1")):
@@ -54,7 +60,7 @@ def test_the_codec_defaults_to_the_presets_and_an_explicit_one_wins():
     assert codec_of().name == "fp16" and run_spec_from(parse()).outer == OuterConfig()
     for preset in ("small", "1b"):
         assert codec_of("--preset", preset).name == "sparse"
-        assert run_spec_from(parse("--preset", preset)).outer == SPARSE_OUTER
+        assert run_spec_from(parse("--preset", preset)).outer == PLAIN_OUTER
         assert codec_of("--preset", preset, "--compression", "fp16").name == "fp16"
         assert run_spec_from(parse("--preset", preset, "--compression", "fp16")).outer == OuterConfig()
     assert codec_of("--preset", "small", "--sparse-k", "128").settings.k == 128
