@@ -259,8 +259,9 @@ class DiLoCoPeer:
             result = None
             if handle is not None:
                 result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by))
+            waited_s = time.monotonic() - trained.trained_at
             applied = self._apply(result, trained.base_hash)
-            return self._land(trained, handle, result, applied, plan.round + 1, round_started)
+            return self._land(trained, handle, result, applied, plan.round + 1, round_started, waited_s=waited_s)
 
         landing = self._in_flight
         result, applied = None, (False, "")
@@ -334,15 +335,15 @@ class DiLoCoPeer:
                                    scope=self.scope, round=plan.round)
 
     def _land(self, trained: _Trained, handle: AveragingHandle | None, result: AveragingResult | None,
-              applied: tuple[bool, str], next_round: int, round_started: float = 0.0, landing: _InFlight | None = None,
-              stand_in: EncodedContribution | None = None) -> RoundOutcome:
+              applied: tuple[bool, str], next_round: int, round_started: float = 0.0, waited_s: float = 0.0,
+              landing: _InFlight | None = None, stand_in: EncodedContribution | None = None) -> RoundOutcome:
         """After the trained round's outer step was taken or not (``applied``: :meth:`_apply`), move the state to
-        ``next_round`` and say what happened. Blocking: ``round_started`` times the round; overlap: ``landing`` says
-        when the all-reduce began and how long the call that trained the round took, and ``stand_in`` (see
-        :meth:`_settle`) is the contribution in flight."""
+        ``next_round`` and say what happened. Blocking: ``round_started`` times the round and ``waited_s`` its
+        all-reduce; overlap: ``landing`` says when the all-reduce began, how long the call that trained the round
+        took and how long it waited, and ``stand_in`` (see :meth:`_settle`) is the contribution in flight."""
         r = trained.plan.round
         if landing is None:
-            allreduce_s = wait_s = time.monotonic() - trained.trained_at
+            allreduce_s = wait_s = waited_s
         else:
             finished_at = result.finished_at if result is not None and result.finished_at else time.time()
             allreduce_s = max(0.0, finished_at - landing.begun_at)
