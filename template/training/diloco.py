@@ -242,14 +242,10 @@ class DiLoCoPeer:
             with self.state.changing():
                 self.state.round = plan.round
             self._resync_needed = True
-        if self._resync_needed and self.averager is not None:
-            resync_timeout = self.averaging_config.matchmaking_time
-            self._resync_needed = not self.state.adopt_from_peers(self.averager, resync_timeout, self.round)
-            if not self._resync_needed:
-                self._start = None  # a start point ahead of the θ left behind
-        self._sync_ranks()
+        if not self.spec.overlap:
+            self._resync()
         if self._in_flight is not None and self._in_flight.trained.plan.round != self.round - 1:
-            # its Δ̄ belongs on a θ this peer no longer holds (it skipped rounds or adopted a peer's state)
+            # its Δ̄ belongs on a θ this peer no longer holds (it skipped rounds)
             self._drop_in_flight(f"this peer moved to round {self.round}")
         if self.round != plan.round:
             return self._stale(plan, round_started)
@@ -263,6 +259,14 @@ class DiLoCoPeer:
             applied = self._apply(result, trained.base_hash)
             return self._land(trained, handle, result, applied, plan.round + 1, round_started, waited_s=waited_s)
 
+        # With overlap a peer re-syncs after training, when the others have settled round r−1 and are about to land
+        # it: at the start of the round they may not have yet (their state would be older than ours), and a peer that
+        # re-synced then would miss every round it re-tried. Its round r contribution counts either way: the group
+        # compares the θ the average lands on, not where each member started.
+        self._resync()
+        adopted_ahead = self.round > plan.round  # the adopted state has round r−1's average in it already
+        if adopted_ahead:
+            self._drop_in_flight(f"adopted a peer state of round {self.round}")
         landing = self._in_flight
         result, applied = None, (False, "")
         if landing is not None:
@@ -277,13 +281,22 @@ class DiLoCoPeer:
         own = trained.contribution
         if landing is None:
             outcome = None
-            in_step = plan.round == 0  # no round before the first: every peer starts from θ_0 alike
+            in_step = plan.round == 0 or adopted_ahead  # round 0: no round before it, every peer holds θ_0
             self._settle(plan.round + 1, in_step, evaluated_round=None, stand_in=own)
         else:
             outcome = self._land(landing.trained, landing.handle, result, applied, plan.round + 1, landing=landing,
                                  stand_in=own)
         self._in_flight.round_s = time.monotonic() - round_started
         return outcome
+
+    def _resync(self) -> None:
+        """When the last round was not applied here: adopt a live peer's state of this round or a later one."""
+        if self._resync_needed and self.averager is not None:
+            resync_timeout = self.averaging_config.matchmaking_time
+            self._resync_needed = not self.state.adopt_from_peers(self.averager, resync_timeout, self.round)
+            if not self._resync_needed:
+                self._start = None  # a start point ahead of the θ left behind
+        self._sync_ranks()
 
     def land_last_round(self) -> RoundOutcome | None:
         """Overlap only: wait for the last round's all-reduce, take its outer step and return its outcome (None
@@ -556,14 +569,15 @@ class DiLoCoPeer:
             self.residual = residual.to(torch.float32).clone()
 
     def shutdown(self) -> None:
-        """Stop the averager; the checkpoint being written is finished first (a failure is logged: call
-        :meth:`flush_checkpoint` before to have it raised)."""
+        """Stop the averager, giving up an all-reduce in flight; the checkpoint being written is finished first (a
+        failure is logged: call :meth:`flush_checkpoint` before to have it raised)."""
         try:
             self.flush_checkpoint()
         except CheckpointError as err:
             log.error("the last checkpoint was not written: %s", err)
         if self._checkpoints is not None:
             self._checkpoints.shutdown()
+        self._drop_in_flight("stopping")  # its finish would otherwise keep a thread alive until its deadline
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
