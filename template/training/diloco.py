@@ -23,11 +23,11 @@ contribution c_r stand in for it (the *eager* update of Kale et al., 2025)::
 G — what is checkpointed, shared with joiners and compared by the group (the ``base`` of a round is the G it
 started from) — stays bit-identical on every peer; only the start point S is a peer's own, and it is a function of
 public data (G and the bytes the peer contributed). The mean of the peers' start points is the true G_{r+1} up to
-the average's rounding (the outer step is affine in Δ). Why eager and not a plain one-round delay (which diverged
-with Nesterov 0.9): docs/benchmarks.md §3a. A peer that did not land the previous round (its all-reduce failed, or it
-restarted with nothing in flight) re-syncs from live peers at the next round: their state is G with the round whose
-all-reduce they expect in flight, the same round as its own. A crash loses the round in flight (the checkpoint holds
-G and the round after it).
+the average's rounding (the outer step is affine in Δ). Why eager, with plain SGD, and not a one-round-delayed step
+(which diverged with Nesterov 0.9): docs/benchmarks.md §1a. A peer that did not land the previous round (its
+all-reduce failed, or it restarted with nothing in flight) re-syncs from live peers after its next round's training,
+when they have settled the round before: their state is G with the round whose all-reduce they expect in flight, the
+same round as its own. A crash loses the round in flight (the checkpoint holds G and the round after it).
 
 What is guaranteed when things go wrong:
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 # A peer refreshes its identity record every round; records of peers that left expire after this long.
 IDENTITY_TTL_S = 600.0
+STATE_RETRY_S = 0.5  # a peer state older than the one wanted is asked for again after this long
 
 
 def announce_run_identity(dht: hivemind.DHT, run_id: str, identity: dict[str, Any]) -> None:
@@ -104,18 +105,30 @@ class SharedState:
             return metadata, [state[name] for name in names]
 
     def adopt_from_peers(self, averager: PseudoGradientAverager, timeout_s: float, min_round: int) -> bool:
-        """Download a live peer's state and take it if it is for this run and at ``min_round`` or later."""
-        downloaded = averager.load_state_from_peers(timeout=timeout_s)
-        if downloaded is None:
-            return False
-        metadata, tensors = downloaded
+        """Download a live peer's state and take it if it is for this run and at ``min_round`` or later; a state of an
+        earlier round (a peer still finishing it) is asked for again until ``timeout_s`` has passed."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            downloaded = averager.load_state_from_peers(timeout=left)
+            if downloaded is None:
+                return False
+            adopted = self._adopt(*downloaded, min_round)
+            if adopted is not None:
+                return adopted
+            time.sleep(min(STATE_RETRY_S, max(deadline - time.monotonic(), 0.0)))
+        return False
+
+    def _adopt(self, metadata: dict, tensors: list[torch.Tensor], min_round: int) -> bool | None:
+        """Take a downloaded state: True when taken, False when it is not for us, None when it is too old."""
         names = metadata.get("names")
         if metadata.get("fingerprint") != self.fingerprint or not isinstance(names, list) or len(names) != len(tensors):
             log.warning("ignoring a peer state for another run or with a malformed layout")
             return False
         peer_round = metadata.get("round")
-        if not isinstance(peer_round, int) or peer_round < min_round:
+        if not isinstance(peer_round, int):
             return False
+        if peer_round < min_round:
+            return None
         try:
             with self._lock:
                 self.outer.load_state_dict(dict(zip(names, tensors, strict=True)))

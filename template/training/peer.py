@@ -45,10 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(parser)
     parser.add_argument("--rounds", type=int, default=5, help="stop when the run reaches this many rounds")
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                         help="train round r+1 while round r's all-reduce runs, starting from θ stepped with this "
-                             "peer's own contribution; the true average's outer step lands one round late "
-                             "(--no-overlap: wait for every all-reduce; every peer of a run must agree)")
+                             "peer's own contribution; the true average's outer step (plain SGD at lr 1 unless "
+                             "--outer-* say otherwise) lands one round late. Every peer of a run must agree. Default: "
+                             "wait for every all-reduce")
     add_averaging_args(parser)
     net = parser.add_argument_group("network")
     net.add_argument("--peer-key", required=True, help="this peer's name: selects its data assignment")

@@ -38,9 +38,9 @@ def test_sparse_settings_for_a_dense_codec_or_invalid_ones_are_refused_with_the_
 
 
 def test_the_outer_step_defaults_to_the_codecs_and_zero_momentum_is_plain_sgd():
-    blocking = parse("--no-overlap")
-    assert run_spec_from(blocking, overlap=blocking.overlap).outer == OuterConfig()
-    overlapped = parse()  # the engine's default: with overlap, plain SGD for every codec (outer.py: PLAIN_OUTER)
+    blocking = parse()
+    assert not blocking.overlap and run_spec_from(blocking, overlap=blocking.overlap).outer == OuterConfig()
+    overlapped = parse("--overlap")  # with overlap, plain SGD for every codec (outer.py: PLAIN_OUTER)
     assert overlapped.overlap and run_spec_from(overlapped, overlap=True).outer == PLAIN_OUTER
     assert run_spec_from(parse("--outer-lr", "0.7", "--outer-momentum", "0.9"), overlap=True).outer == OuterConfig()
     assert run_spec_from(parse(), overlap=True).overlap and not run_spec_from(parse()).overlap
