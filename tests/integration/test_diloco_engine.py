@@ -84,8 +84,8 @@ def test_a_killed_peer_does_not_stop_the_others_and_rejoins_from_their_state(tmp
             peers[name] = PeerProcess(name, flags, tmp_path, _env(), events)
         until(lambda e: e["event"] == "round" and e["peer_key"] == "p2" and e["round"] == 0, 240)
         until(lambda e: e["event"] == "progress" and e["peer_key"] == "p2" and e["round"] == 1, 120)
-        # SIGKILL in the middle of round 1's inner steps (blocking: overlapped, a peer killed while an all-reduce
-        # runs in the background left a survivor waiting ~60 s for it in 1 of 6 runs: not yet reliable)
+        # SIGKILL in the middle of round 1's inner steps. Blocking: run overlapped (killed while round 0's all-reduce
+        # runs in the background) it failed 2 of ~9 runs (once a survivor waited ~60 s for that all-reduce)
         peers["p2"].kill()
         killed_at_round = 1
 
