@@ -55,7 +55,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import hivemind
@@ -87,6 +87,7 @@ from template.training.joining import SharedState, announce_run_identity, check_
 from template.training.model import build_model, place_model
 from template.training.outer import OuterOptimizer, load_into
 from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport, Tensors
+from template.training.round_state import InFlight, Stats, Trained
 from template.training.spec import RunMismatchError, RunSpec, fingerprint_of
 
 __all__ = ["DiLoCoPeer", "Progress", "RoundOutcome", "RoundPlan", "RoundReport", "RunMismatchError", "RunSpec"]
@@ -152,7 +153,7 @@ class DiLoCoPeer:
         self.outer = OuterOptimizer(self.model, spec.outer)
         self.state = SharedState(self.outer, self.fingerprint)
         self._resync_needed = False  # the last all-reduce failed: look for a peer that completed it
-        self._in_flight: _InFlight | None = None  # overlap: the round whose all-reduce runs while the next trains
+        self._in_flight: InFlight | None = None  # overlap: the round whose all-reduce runs while the next trains
         self._start: Tensors | None = None  # overlap: where the next round trains from, when it is not θ
         self._shapes = [p.shape for p in self.model.parameters()]
         numel = sum(p.numel() for p in self.model.parameters())
@@ -277,7 +278,7 @@ class DiLoCoPeer:
         begun_at = time.time()
         handle = self._begin(trained, self.outer.theta_hash())
         pending = self.averager.finish_in_background(handle, handle.deadline) if handle is not None else None
-        self._in_flight = _InFlight(trained, handle, pending, begun_at)
+        self._in_flight = InFlight(trained, handle, pending, begun_at)
         own = trained.contribution
         if landing is None:
             outcome = None
@@ -308,7 +309,7 @@ class DiLoCoPeer:
         applied = self._apply(result, self.outer.theta_hash())
         return self._land(landing.trained, landing.handle, result, applied, self.round, landing=landing)
 
-    def _train_round(self, plan: RoundPlan, contribute: Contribute | None) -> _Trained:
+    def _train_round(self, plan: RoundPlan, contribute: Contribute | None) -> Trained:
         """θ_local ← θ, the plan's inner steps, then (leader) Δ and its encoding: everything but the all-reduce."""
         r = plan.round
         start = self._start
@@ -332,9 +333,9 @@ class DiLoCoPeer:
             if plan.contributes:
                 delta = self.outer.pseudo_gradient(self.model, start)
                 contribution = self._encode(contribute(r, delta) if contribute is not None else delta)
-        return _Trained(plan, base_hash, base, stats, delta, contribution, trained_at)
+        return Trained(plan, base_hash, base, stats, delta, contribution, trained_at)
 
-    def _begin(self, trained: _Trained, onto: str) -> AveragingHandle | None:
+    def _begin(self, trained: Trained, onto: str) -> AveragingHandle | None:
         """Commit to the round's contribution and start matchmaking (leader). ``onto`` is the hash of the θ the
         average will be applied to (the round's base without overlap)."""
         if self.averager is None:
@@ -347,9 +348,9 @@ class DiLoCoPeer:
                                    deadline=self._allreduce_deadline(scheduled, plan.finish_by),
                                    scope=self.scope, round=plan.round)
 
-    def _land(self, trained: _Trained, handle: AveragingHandle | None, result: AveragingResult | None,
+    def _land(self, trained: Trained, handle: AveragingHandle | None, result: AveragingResult | None,
               applied: tuple[bool, str], next_round: int, round_started: float = 0.0, waited_s: float = 0.0,
-              landing: _InFlight | None = None, stand_in: EncodedContribution | None = None) -> RoundOutcome:
+              landing: InFlight | None = None, stand_in: EncodedContribution | None = None) -> RoundOutcome:
         """After the trained round's outer step was taken or not (``applied``: :meth:`_apply`), move the state to
         ``next_round`` and say what happened. Blocking: ``round_started`` times the round and ``waited_s`` its
         all-reduce; overlap: ``landing`` says when the all-reduce began, how long the call that trained the round
@@ -485,7 +486,7 @@ class DiLoCoPeer:
         for input_ids, labels in self.corpus.batches(windows, self.spec.batch_size):
             yield self.node.split(input_ids), self.node.split(labels)
 
-    def _train(self, batches, steps: int, deadline: float | None, r: int, done: int, of_steps: int) -> _Stats:
+    def _train(self, batches, steps: int, deadline: float | None, r: int, done: int, of_steps: int) -> Stats:
         """Inner steps in chunks, reporting progress between chunks.
 
         The leader decides between chunks whether to go on (deadline) and tells the other ranks, so that all
@@ -511,7 +512,7 @@ class DiLoCoPeer:
             if self.on_progress and self.node.is_leader:
                 self.on_progress(Progress(r, done + total_steps, of_steps, last_loss,
                                           total_tokens / max(seconds, 1e-9)))
-        return _Stats(total_steps, total_tokens, loss_sum / total_steps if total_steps else None, seconds)
+        return Stats(total_steps, total_tokens, loss_sum / total_steps if total_steps else None, seconds)
 
     def _allreduce_deadline(self, start: float, finish_by: float | None) -> float:
         budget = start + self.averaging_config.matchmaking_time + self.averaging_config.allreduce_timeout
@@ -581,43 +582,3 @@ class DiLoCoPeer:
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
-
-
-@dataclass(frozen=True)
-class _Stats:
-    steps: int
-    tokens: int
-    mean_loss: float | None
-    seconds: float
-
-
-@dataclass(frozen=True)
-class _Trained:
-    """A round trained and (leader) encoded, before its all-reduce: what its outcome needs from the training."""
-
-    plan: RoundPlan
-    base_hash: str  # θ the round started from: its Δ is measured from it on every peer of the group
-    base: Tensors | None  # a copy of that θ, for plans that do not contribute
-    stats: _Stats
-    delta: Tensors | None
-    contribution: EncodedContribution | None
-    trained_at: float  # time.monotonic() when inner training ended
-
-
-@dataclass
-class _InFlight:
-    """Overlap: a round whose all-reduce runs in the background while the next round trains."""
-
-    trained: _Trained
-    handle: AveragingHandle | None  # None on ranks other than the leader
-    pending: Future[AveragingResult] | None  # PseudoGradientAverager.finish, running on the averager's thread
-    begun_at: float  # time.time() when its all-reduce was handed over
-    round_s: float = 0.0  # wall time of the call that trained it (set when that call returns)
-    waited_s: float = 0.0  # how long the peer stood still for the result
-
-    def result(self) -> AveragingResult | None:
-        """The all-reduce's result (None on ranks other than the leader); returns by the step's deadline."""
-        started = time.monotonic()
-        result = self.pending.result() if self.pending is not None else None
-        self.waited_s = time.monotonic() - started
-        return result
