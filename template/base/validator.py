@@ -9,8 +9,9 @@ Each chain round r (blocks [r·B, (r+1)·B)):
    miner's coverage and token share in that all-reduce to the :class:`~template.validation.round.RoundScorer`
    (integrity, copies, replays, the credit beyond the best free update); a miner convicted by the audit or whose
    publication is not its contribution scores 0 with the reason; fold the round into the
-   :class:`~template.validation.rewards.ScoreBook` and save it (a round scored without Δ̄_{r−2} — the first after a
-   start, or after the validator's own all-reduce failed — is reported but paid to nobody);
+   :class:`~template.validation.rewards.ScoreBook` and save it (a round the validator's own all-reduce failed in, or
+   scored without Δ̄_{r−2} — the first after a start, or after such a round — is reported but paid to nobody:
+   :func:`why_unpaid`);
 2. set weights from the book (``SetWeights`` with ``template.spec_version`` as the version key) every
    ``--validator.weights_every`` rounds;
 3. join round r's all-reduce as an auxiliary peer (no contribution) and apply the outer step, so the validator holds
@@ -20,8 +21,9 @@ Scoring must end before the miners' all-reduce of round r begins (the validator 
 by then are scored first in a later round (the book's rotation).
 
 On failure: a miner that cannot be fetched (refused, timed out, not published) scores 0 for the round; a failed
-all-reduce makes the validator re-sync θ from peers next round and score that round without Δ̄ and participation
-(nobody is penalized for what the validator could not see); a refused ``SetWeights`` (rate limit, chain error) is
+all-reduce makes the validator re-sync θ from peers next round, judge that round without Δ̄ and participation and pay
+nobody for it (nobody is penalized for what the validator could not see, nobody paid for what it could not check);
+a refused ``SetWeights`` (rate limit, chain error) is
 logged and tried again next round. The score book and the replay history are written atomically after every scored
 round and read back on start, so a validator killed and restarted keeps its scores.
 """
@@ -215,17 +217,14 @@ class Validator:
                                first_block=pending.round * self.ctx.clock.blocks_per_round, last_block=block,
                                previous_average=free, contributors=sum(1 for w in share.values() if w > 0))
         verdicts = self.scorer.score(context, candidates, out_of_time=lambda: time.time() > scoring_deadline)
-        # Without Δ̄_{r−1} the validator cannot tell what a miner re-published for free from what it trained: such a
-        # round (its first after a start, or after its own all-reduce failed) is judged — copies, convictions — and
-        # reported, but paid to nobody: a round without credit for everyone alike.
-        paid = free is not None
+        unpaid = why_unpaid(pending, free)
+        paid = not unpaid
         scores = {v.hotkey: v.quality if paid else 0.0 for v in verdicts}
         if paid:
             self.book.update(pending.round, scores, {v.hotkey: v.reason for v in verdicts},
                              forfeit=[v.hotkey for v in verdicts if v.forfeits])
         else:
-            log.info("round %d is not paid: the validator does not hold Δ̄ of round %d, which every miner had for free",
-                     pending.round, pending.round - 1)
+            log.info("round %d is not paid: %s", pending.round, unpaid)
         self.book.forget_except(r.hotkey for r in directory)
         self.book.save(self.book_path)
         self.scorer.save_history(self.history_path)
@@ -421,6 +420,24 @@ class Validator:
         self.ctx.runner.run_on_close(self.p2p.shutdown(), "the P2P replica")
         self.telemetry.close()
         self.peer.shutdown()
+
+
+def why_unpaid(pending: PendingRound, free: list[torch.Tensor] | None) -> str:
+    """Why round r is judged (copies, convictions) and reported but paid to nobody, alike for everyone; "" when paid.
+
+    - The validator's own all-reduce of round r failed: it did not see what each miner contributed, so it cannot
+      check that a publication is what went into the average — a miner that publishes its honest Δ and contributes
+      −Δ (``twofaced``) would be paid for it (measured: 8.4 % of the weight on the suite's network, from one such
+      round). A failed round moved nobody's θ, so paying nobody for it is fair.
+    - It does not hold Δ̄_{r−1} (its first round after a start, or the round after its all-reduce failed): it cannot
+      tell what a miner re-published for free from what it trained.
+    """
+    if pending.applied is None:
+        return f"the validator's own all-reduce of round {pending.round} failed: it cannot check what each miner " \
+               "contributed"
+    if free is None:
+        return f"the validator does not hold Δ̄ of round {pending.round - 1}, which every miner had for free"
+    return ""
 
 
 def load_or_create_secret(path: Path) -> int:

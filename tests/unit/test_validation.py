@@ -10,6 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from template.base.validator import PendingRound, why_unpaid
+from template.p2p.identity import PeerDirectory
 from template.training.data import DataAssignment, TokenCorpus, build_corpus, load_tokenizer
 from template.training.inner import InnerConfig, InnerTrainer
 from template.training.model import build_model
@@ -408,3 +410,18 @@ def test_quality_counts_only_what_reached_the_average_and_time_limits_are_report
                            scoring=ScoringConfig(), sketch_seed=5)
     restored.load_history(path)
     assert set(restored.history) == set(scorer.history) and restored.history
+
+
+def test_a_round_is_paid_only_when_the_validator_held_its_all_reduce_and_the_free_average():
+    """A round the validator's own all-reduce failed in is judged but paid to nobody: it cannot check that a
+    publication is what its miner contributed (a two-faced miner took 8.4 % of the weight from one such round)."""
+    theta, average = [torch.zeros(2)], [torch.ones(2)]
+    held = object()  # the validator's view of the all-reduce: only its presence matters here
+
+    def pending(result, averaged) -> PendingRound:
+        return PendingRound(5, theta, "hash", averaged, result, PeerDirectory([]))
+
+    assert why_unpaid(pending(held, average), free=average) == ""
+    assert "all-reduce of round 5 failed" in why_unpaid(pending(None, None), free=average)
+    assert "all-reduce of round 5 failed" in why_unpaid(pending(held, None), free=average)  # partial: refused
+    assert "Δ̄ of round 4" in why_unpaid(pending(held, average), free=None)
