@@ -128,6 +128,19 @@ class SimulatedNetwork:
         self._servers.append(server)
         return SimulatedPeer(name, host_port, server.sockets[0].getsockname()[1])
 
+    def set_rate(self, name: str, mbit: float) -> None:
+        """Change peer ``name``'s link to ``mbit`` per direction from now on, open connections included (a member
+        whose link degrades: a test can let it join fast and then slow its all-reduce down)."""
+        rate = LinkSpec(mbit).bytes_per_s
+        if name not in self._links:
+            raise ValueError(f"peer {name!r} is not on the simulated network")
+        link = self._links[name]
+
+        def apply() -> None:
+            link.up.rate = link.down.rate = rate
+
+        self._loop.call_soon_threadsafe(apply)
+
     def close(self) -> None:
         """Close every proxy and its connections, then stop the thread (bounded: 10 s)."""
 

@@ -95,6 +95,26 @@ def test_a_slow_peer_paces_what_it_sends_and_an_unnamed_dialer_is_counted(networ
     assert network.stats.unnamed == 1 and network.stats.sent == {"slow": len(data), "fast": 4}
 
 
+def test_a_link_slowed_down_paces_from_then_on(network):
+    a, b = network.add_peer("a"), network.add_peer("b")
+    network.set_rate("a", 4)
+    data = os.urandom(250_000)  # 0.5 s at 4 Mbit/s, 0.125 s at the network's 16
+    received: list[bytes] = []
+
+    async def run() -> float:
+        server = await _sink(b.host_port, received)
+        try:
+            return (await _send_from(a.host_port, b.proxy_port, data))[1]
+        finally:
+            server.close()
+
+    assert asyncio.run(run()) >= len(data) * 8 / 4e6 - BURST_S and received == [data]
+    with pytest.raises(ValueError, match="not on the simulated network"):
+        network.set_rate("c", 4)
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        network.set_rate("a", 0)
+
+
 def test_bad_links_and_names_are_refused(network):
     with pytest.raises(ValueError, match="rate must be > 0"):
         LinkSpec(mbit=0)
