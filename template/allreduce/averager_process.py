@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 StateProvider = Callable[[], "tuple[dict, Sequence[torch.Tensor]]"]
 SIGNATURE_BYTES = 64  # sr25519
 HELD_SHARES_TTL_REDUCER_TIMEOUTS = 3  # how long (in reducer timeouts) a finished group's shares stay relayable
+LATE_START_WARNING_S = 0.5  # hivemind's preparation (load balancing, the tensors' lock) took that much of the budget
 DEADLINE_RESERVE_FRACTION = 0.1  # of the all-reduce budget, kept after the runner for the result's copy and report
 
 
@@ -217,13 +218,17 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
             yield message
 
     async def run_group_allreduce(self, tensors, group_info: GroupInfo, group_id: bytes, *, peer_fractions,
-                                  weight: float, sender_timeout: float, reducer_timeout: float) -> AllReduceReport:
+                                  weight: float, sender_timeout: float, reducer_timeout: float,
+                                  started: float) -> AllReduceReport:
         output, contribution = tensors
         members = parse_group(group_info)
-        # hivemind cancels the whole all-reduce after allreduce_timeout, counted from just before this call: the runner
-        # stops waiting on groupmates a little before, so a complete result is never cancelled with the wait
+        # hivemind cancels the whole all-reduce allreduce_timeout after ``started``: the runner stops waiting on
+        # groupmates a little before, so a result (complete or not) is reported, never cancelled with the wait
         loop = asyncio.get_event_loop()
-        deadline = loop.time() + self._allreduce_budget * (1 - DEADLINE_RESERVE_FRACTION)
+        if (late := loop.time() - started) > LATE_START_WARNING_S:
+            logger.warning("the all-reduce starts %.2f s into its %.1f s budget (load balancing, the tensors' lock)",
+                           late, self._allreduce_budget)
+        deadline = started + self._allreduce_budget * (1 - DEADLINE_RESERVE_FRACTION)
         me = members[group_info.peer_ids.index(self.peer_id)]
         runner = CheckedAllReduceRunner(
             p2p=self.p2p,

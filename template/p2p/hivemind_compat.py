@@ -20,6 +20,7 @@ The private members, and where they are used:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from functools import partial
@@ -58,11 +59,14 @@ class OwnAllReduceHooks:
 
     def __init__(self, *args, **kwargs):
         self._own_reports: dict[bytes, Any] = {}  # group id -> what run_group_allreduce returned
+        self._allreduce_started: dict[bytes, float] = {}  # group id -> when hivemind's timeout began (loop clock)
         super().__init__(*args, **kwargs)
 
     async def run_group_allreduce(self, tensors, group_info: GroupInfo, group_id: bytes, *, peer_fractions,
-                                  weight: float, sender_timeout: float, reducer_timeout: float) -> Any:
-        """Run one group's all-reduce on ``tensors`` (the averaged tensors, locked for us); return its report."""
+                                  weight: float, sender_timeout: float, reducer_timeout: float,
+                                  started: float) -> Any:
+        """Run one group's all-reduce on ``tensors`` (the averaged tensors, locked for us); return its report.
+        ``started`` (the event loop's clock) is when hivemind's ``allreduce_timeout`` began to run for it."""
         raise NotImplementedError
 
     @property
@@ -81,16 +85,24 @@ class OwnAllReduceHooks:
         self._state_updated.set()
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        # hivemind's allreduce_timeout runs from here: its load balancing (a linear program, in an executor) and the
+        # wait for the averaged tensors' lock come before our all-reduce starts; a runner that counted its budget
+        # from its own start could be cancelled by hivemind before it reported what it had
+        self._allreduce_started[group_info.group_id] = asyncio.get_event_loop().time()
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            self._allreduce_started.pop(group_info.group_id, None)
         return dict(gathered={str(peer): data for peer, data in gathered.items()},
                     report=self._own_reports.pop(group_info.group_id))
 
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: bytes | None = None, *,
                                       peer_fractions, weight, sender_timeout, reducer_timeout, **_) -> None:
         group_id = group_info.group_id if group_id is None else group_id
+        started = self._allreduce_started.get(group_info.group_id, asyncio.get_event_loop().time())
         self._own_reports[group_id] = await self.run_group_allreduce(
             tensors, group_info, group_id, peer_fractions=peer_fractions, weight=weight,
-            sender_timeout=sender_timeout, reducer_timeout=reducer_timeout)
+            sender_timeout=sender_timeout, reducer_timeout=reducer_timeout, started=started)
 
 
 class DHTSurvivingDeadSenders(hivemind.DHT):

@@ -40,6 +40,9 @@ def test_private_aggregate_with_group_takes_the_group_and_the_minimum_vector_siz
     # it hands our override the keyword arguments our _run_allreduce_inplace_ reads
     source = inspect.getsource(DecentralizedAverager._aggregate_with_group)
     assert "self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=peer_fractions, **kwargs)" in source
+    # its allreduce_timeout starts when it is called: our runner counts its own deadline from that moment
+    step = "".join(inspect.getsource(DecentralizedAverager._step).split())
+    assert "awaitasyncio.wait_for(self._aggregate_with_group(" in step and "timeout=self._allreduce_timeout" in step
 
 
 def test_private_run_allreduce_inplace_is_the_all_reduce_hook():
