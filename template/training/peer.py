@@ -4,8 +4,8 @@ It starts a hivemind DHT node (loopback by default), builds the model and data o
 (own checkpoint or a live peer's), and runs rounds until the run's round counter reaches ``--rounds``. Progress
 goes to stdout as JSON lines (``ready``, ``progress``, ``round``, ``done``, ``error``), which
 ``python -m template.training.run`` reads; logs go to stderr. Works under ``torchrun --nproc_per_node K`` too:
-rank 0 alone starts the DHT and prints. With ``--overlap`` a round's ``round`` event comes once its all-reduce has
-landed, during the next round (the last one before ``done``).
+rank 0 alone starts the DHT and prints. With overlap (the default; ``--no-overlap`` blocks) a round's ``round``
+event comes once its all-reduce has landed, during the next round (the last one before ``done``).
 
 On SIGINT/SIGTERM the peer stops where it is; the last finished round's checkpoint stays the latest on disk, and
 the averager and DHT are shut down.
@@ -45,11 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(parser)
     parser.add_argument("--rounds", type=int, default=5, help="stop when the run reaches this many rounds")
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="train round r+1 while round r's all-reduce runs, starting from θ stepped with this "
                              "peer's own contribution; the true average's outer step (plain SGD at lr 1 unless "
-                             "--outer-* say otherwise) lands one round late. Every peer of a run must agree. Default: "
-                             "wait for every all-reduce")
+                             "--outer-* say otherwise) lands one round late (the default). Every peer of a run must "
+                             "agree. --no-overlap waits for every all-reduce")
     add_averaging_args(parser)
     net = parser.add_argument_group("network")
     net.add_argument("--peer-key", required=True, help="this peer's name: selects its data assignment")

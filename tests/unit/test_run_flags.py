@@ -38,10 +38,11 @@ def test_sparse_settings_for_a_dense_codec_or_invalid_ones_are_refused_with_the_
 
 
 def test_the_outer_step_defaults_to_the_codecs_and_zero_momentum_is_plain_sgd():
-    blocking = parse()
+    blocking = parse("--no-overlap")
     assert not blocking.overlap and run_spec_from(blocking, overlap=blocking.overlap).outer == OuterConfig()
-    overlapped = parse("--overlap")  # with overlap, plain SGD for every codec (outer.py: PLAIN_OUTER)
-    assert overlapped.overlap and run_spec_from(overlapped, overlap=True).outer == PLAIN_OUTER
+    overlapped = parse()  # overlap is the engine's default: plain SGD for every codec (outer.py: PLAIN_OUTER)
+    assert overlapped.overlap and run_spec_from(overlapped, overlap=overlapped.overlap).outer == PLAIN_OUTER
+    assert parse("--overlap").overlap
     assert run_spec_from(parse("--outer-lr", "0.7", "--outer-momentum", "0.9"), overlap=True).outer == OuterConfig()
     assert run_spec_from(parse(), overlap=True).overlap and not run_spec_from(parse()).overlap
     assert run_spec_from(parse()).outer == OuterConfig()
