@@ -264,19 +264,25 @@ class DiLoCoPeer:
         # it: at the start of the round they may not have yet (their state would be older than ours), and a peer that
         # re-synced then would miss every round it re-tried. Its round r contribution counts either way: the group
         # compares the θ the average lands on, not where each member started.
-        self._resync()
+        adopted = self._resync()
         adopted_ahead = self.round > plan.round  # the adopted state has round r−1's average in it already
         if adopted_ahead:
             self._drop_in_flight(f"adopted a peer state of round {self.round}")
         landing = self._in_flight
+        # θ is hashed once per change (a pass over θ takes seconds for the 1b preset): training left it as the
+        # round's base on the leader unless a re-sync replaced it (other ranks take the leader's θ when they sync)
+        leader = self.node.is_leader
+        theta_hash = trained.base_hash if leader and not adopted else self.outer.theta_hash()
         result, applied = None, (False, "")
         if landing is not None:
             result = landing.result()
-            applied = self._apply(result, self.outer.theta_hash())
+            applied = self._apply(result, theta_hash)
+            if applied[0]:
+                theta_hash = self.outer.theta_hash()
         # round r's all-reduce starts once round r−1's outer step is taken: its group compares the θ that its
         # average will be applied to (a member that missed round r−1's step holds another and will not apply it)
         begun_at = time.time()
-        handle = self._begin(trained, self.outer.theta_hash())
+        handle = self._begin(trained, theta_hash)
         pending = self.averager.finish_in_background(handle, handle.deadline) if handle is not None else None
         self._in_flight = InFlight(trained, handle, pending, begun_at)
         own = trained.contribution
@@ -286,18 +292,22 @@ class DiLoCoPeer:
             self._settle(plan.round + 1, in_step, evaluated_round=None, stand_in=own)
         else:
             outcome = self._land(landing.trained, landing.handle, result, applied, plan.round + 1, landing=landing,
-                                 stand_in=own)
+                                 stand_in=own, theta_hash=theta_hash if leader else None)
         self._in_flight.round_s = time.monotonic() - round_started
         return outcome
 
-    def _resync(self) -> None:
-        """When the last round was not applied here: adopt a live peer's state of this round or a later one."""
+    def _resync(self) -> bool:
+        """When the last round was not applied here: adopt a live peer's state of this round or a later one. True
+        when this peer (the leader) took one."""
+        adopted = False
         if self._resync_needed and self.averager is not None:
             resync_timeout = self.averaging_config.matchmaking_time
-            self._resync_needed = not self.state.adopt_from_peers(self.averager, resync_timeout, self.round)
-            if not self._resync_needed:
+            adopted = self.state.adopt_from_peers(self.averager, resync_timeout, self.round)
+            self._resync_needed = not adopted
+            if adopted:
                 self._start = None  # a start point ahead of the θ left behind
         self._sync_ranks()
+        return adopted
 
     def land_last_round(self) -> RoundOutcome | None:
         """Overlap only: wait for the last round's all-reduce, take its outer step and return its outcome (None
@@ -350,11 +360,13 @@ class DiLoCoPeer:
 
     def _land(self, trained: Trained, handle: AveragingHandle | None, result: AveragingResult | None,
               applied: tuple[bool, str], next_round: int, round_started: float = 0.0, waited_s: float = 0.0,
-              landing: InFlight | None = None, stand_in: EncodedContribution | None = None) -> RoundOutcome:
+              landing: InFlight | None = None, stand_in: EncodedContribution | None = None,
+              theta_hash: str | None = None) -> RoundOutcome:
         """After the trained round's outer step was taken or not (``applied``: :meth:`_apply`), move the state to
         ``next_round`` and say what happened. Blocking: ``round_started`` times the round and ``waited_s`` its
         all-reduce; overlap: ``landing`` says when the all-reduce began, how long the call that trained the round
-        took and how long it waited, and ``stand_in`` (see :meth:`_settle`) is the contribution in flight."""
+        took and how long it waited, and ``stand_in`` (see :meth:`_settle`) is the contribution in flight.
+        ``theta_hash``: θ's hash when the caller holds it already (settling does not change the leader's θ)."""
         r = trained.plan.round
         if landing is None:
             allreduce_s = wait_s = waited_s
@@ -371,7 +383,7 @@ class DiLoCoPeer:
             allreduce_s=allreduce_s,
             round_s=landing.round_s if landing is not None else time.monotonic() - round_started,
             inner_s=trained.stats.seconds, bytes_sent=result.bytes_sent if result else 0,
-            theta_hash=self.outer.theta_hash(), allreduce_wait_s=wait_s,
+            theta_hash=theta_hash if theta_hash is not None else self.outer.theta_hash(), allreduce_wait_s=wait_s,
         )
         averaged = result.averaged if took_step and result is not None else None
         return RoundOutcome(report, trained.base, trained.delta, averaged, result, trained.contribution,
