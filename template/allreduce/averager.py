@@ -73,6 +73,7 @@ from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
 from template.allreduce.owner_inputs import OwnerInputs
 from template.allreduce.reduction import OwnerRule
 from template.allreduce.terms import AllReduceFaults, SegmentLayout
+from template.p2p.hivemind_compat import declared_state_priorities
 from template.p2p.keys import ephemeral_signer, verify_signature
 
 __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "PseudoGradientAverager", "StateProvider"]
@@ -393,6 +394,14 @@ class PseudoGradientAverager:
     def set_state_priority(self, priority: float) -> None:
         """Peers loading state pick the sharing peer with the highest priority: pass e.g. the round number."""
         self._averager.state_sharing_priority = float(priority)
+
+    def newest_declared_state(self) -> float | None:
+        """The highest state-sharing priority another peer declares (None: none declares any): the one whose state
+        :meth:`load_state_from_peers` would download. With the round as the priority, a peer can see whether a state
+        of the round it needs is on offer before it downloads a whole one."""
+        others = [priority for peer, priority in declared_state_priorities(self.dht, self.config.prefix).items()
+                  if peer != self.peer_id]
+        return max(others, default=None)
 
     def load_state_from_peers(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Download (metadata, tensors) that a live peer's ``state_provider`` returns; None if none in time."""

@@ -15,7 +15,9 @@ The private members, and where they are used:
   host): :class:`OwnAllReduceHooks`;
 - ``DHT._get_visible_maddrs``: :func:`visible_maddrs_coroutine`;
 - ``DHT._inner_pipe`` (the DHT process's end of its request pipe): :class:`DHTSurvivingDeadSenders`;
-- ``P2P._client`` (the p2p daemon's client): :func:`dial`.
+- ``P2P._client`` (the p2p daemon's client): :func:`dial`;
+- the DHT key under which averagers declare their state-sharing priority (``<prefix>.all_averagers``, hivemind's
+  naming, not an API): :func:`declared_state_priorities`.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OwnAllReduceHooks", "check_hivemind_version", "dial",
-           "visible_maddrs_coroutine"]
+__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OwnAllReduceHooks", "check_hivemind_version",
+           "declared_state_priorities", "dial", "visible_maddrs_coroutine"]
 
 HIVEMIND_VERSION = "1.1.12"
 
@@ -151,6 +153,19 @@ def visible_maddrs_coroutine():
     """The coroutine function that ``DHT.run_coroutine`` runs to list the node's visible multiaddrs (not waiting
     for them when the node is dead, unlike the public ``get_visible_maddrs``)."""
     return partial(hivemind.DHT._get_visible_maddrs, latest=False)
+
+
+def declared_state_priorities(dht: hivemind.DHT, prefix: str) -> dict[str, float]:
+    """PeerID (base58) → the state-sharing priority each averager of ``prefix`` declares in the DHT: what hivemind's
+    ``load_state_from_peers`` ranks the peers by before it downloads the first one's whole state."""
+    found = dht.get(f"{prefix}.all_averagers", latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    priorities = {}
+    for subkey, entry in entries.items():
+        value = getattr(entry, "value", None)
+        if isinstance(subkey, bytes) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            priorities[str(PeerID(subkey))] = float(value)
+    return priorities
 
 
 async def dial(p2p: P2P, peer_id: PeerID, address: Multiaddr) -> None:

@@ -108,13 +108,19 @@ class SharedState:
         """Download a live peer's state and take it if it is for this run and at ``min_round`` or later; a state of an
         earlier round (a peer still finishing it) is asked for again until ``timeout_s`` has passed."""
         deadline = time.monotonic() + timeout_s
+        downloaded_once = False
         while (left := deadline - time.monotonic()) > 0:
-            downloaded = averager.load_state_from_peers(timeout=left)
-            if downloaded is None:
-                return False
-            adopted = self._adopt(*downloaded, min_round)
-            if adopted is not None:
-                return adopted
+            # after a state too old, download again only once a peer declares one of min_round (priority = round):
+            # a whole state is gigabytes for the 1b preset
+            newest = averager.newest_declared_state() if downloaded_once else None
+            if newest is None or newest >= min_round:
+                downloaded = averager.load_state_from_peers(timeout=left)
+                if downloaded is None:
+                    return False
+                downloaded_once = True
+                adopted = self._adopt(*downloaded, min_round)
+                if adopted is not None:
+                    return adopted
             time.sleep(min(STATE_RETRY_S, max(deadline - time.monotonic(), 0.0)))
         return False
 

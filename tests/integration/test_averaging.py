@@ -493,6 +493,11 @@ def test_late_joiner_loads_state_bit_identical(dhts):
         assert loaded_metadata == metadata
         assert digest(tensors) == digest(theta + momentum)
         assert [t.dtype for t in tensors] == [torch.float32] * len(tensors)
+        # what a joiner checks before it downloads a whole state again: the newest round on offer
+        deadline = time.monotonic() + 10
+        while joiner.newest_declared_state() != 41.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert joiner.newest_declared_state() == 41.0
 
 
 @pytest.mark.timeout(60)

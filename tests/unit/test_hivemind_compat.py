@@ -67,6 +67,15 @@ def test_private_state_updated_wakes_state_sharing():
     assert "self._state_updated" in inspect.getsource(DecentralizedAverager._declare_for_download_periodically)
 
 
+def test_averagers_declare_their_state_priority_under_the_prefixs_all_averagers_key():
+    key = 'f"{self._matchmaking.group_key_manager.prefix}.all_averagers"'
+    assert key in inspect.getsource(DecentralizedAverager._declare_for_download_periodically)
+    assert "value=self.state_sharing_priority" in inspect.getsource(
+        DecentralizedAverager._declare_for_download_periodically)
+    assert 'f"{key_manager.prefix}.all_averagers", latest=True' in inspect.getsource(
+        DecentralizedAverager._load_state_from_peers)
+
+
 def test_private_p2p_is_the_averagers_host():
     assert "self._p2p" in inspect.getsource(DecentralizedAverager._run_internal)
 
@@ -94,7 +103,7 @@ def test_the_compat_subclass_overrides_exactly_the_two_private_hooks():
 def test_no_other_module_touches_a_private_hivemind_member():
     """Outside the compat module, no code names the private members it wraps."""
     privates = ("_aggregate_with_group", "_run_allreduce_inplace_", "_running_groups", "_state_updated",
-                "_get_visible_maddrs", "p2p._client", "AllReduceRunner.__init__")
+                "_get_visible_maddrs", "p2p._client", "AllReduceRunner.__init__", ".all_averagers")
     offenders = []
     for folder in ("template", "neurons", "scripts", "benchmarks"):
         for path in (REPO / folder).rglob("*.py"):
