@@ -106,7 +106,8 @@ class SharedState:
 
     def adopt_from_peers(self, averager: PseudoGradientAverager, timeout_s: float, min_round: int) -> bool:
         """Download a live peer's state and take it if it is for this run and at ``min_round`` or later; a state of an
-        earlier round (a peer still finishing it) is asked for again until ``timeout_s`` has passed."""
+        earlier round (a peer still finishing it) is asked for again, once a peer declares one of ``min_round``, until
+        ``timeout_s`` has passed."""
         deadline = time.monotonic() + timeout_s
         downloaded_once = False
         while (left := deadline - time.monotonic()) > 0:
