@@ -54,7 +54,7 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 
 from template.allreduce.averager_process import CheckedAverager, ContributionBuffer, StateProvider
 from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, get_codec
@@ -73,12 +73,14 @@ from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
 from template.allreduce.owner_inputs import OwnerInputs
 from template.allreduce.reduction import OwnerRule
 from template.allreduce.terms import AllReduceFaults, SegmentLayout
-from template.p2p.hivemind_compat import declared_state_priorities
+from template.p2p.hivemind_compat import cancel_step, declared_state_priorities
 from template.p2p.keys import ephemeral_signer, verify_signature
 
 __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "PseudoGradientAverager", "StateProvider"]
 
 logger = logging.getLogger(__name__)
+
+LEFT_BEHIND_POLL_S = 1.0  # how often a peer late for its group asks whether it was left behind (a DHT read)
 
 
 @dataclass
@@ -307,10 +309,16 @@ class PseudoGradientAverager:
             wait=False,
         )
 
-    def finish(self, handle: AveragingHandle, deadline: float) -> AveragingResult:
+    def finish(self, handle: AveragingHandle, deadline: float,
+               left_behind: Callable[[], str | None] | None = None) -> AveragingResult:
         """Run the all-reduce that :meth:`begin` prepared, then the members' confirmation; return by ``deadline``.
 
         ``seconds`` of the result is the time spent in this call (waiting for the group, then the all-reduce).
+        ``left_behind`` is asked every :data:`LEFT_BEHIND_POLL_S` while this peer still looks for a group after its
+        scheduled time (+ ``request_timeout``); a reason it returns ends the wait. A peer whose round's group formed
+        without it (it trained late) would otherwise look for that group until the deadline — a minute — and, when
+        it re-syncs, arrive late again (measured: every round after a restart under CI's load). It is asked only
+        after the scheduled time: a group that forms on time is never given up on, whatever a peer declares.
         """
         self._check_open()
         started = time.monotonic()
@@ -319,10 +327,16 @@ class PseudoGradientAverager:
         control.allow_allreduce()
         while True:
             try:
-                outcome = control.result(timeout=max(deadline - time.time(), 0.0))
+                wait = max(deadline - time.time(), 0.0)
+                outcome = control.result(timeout=wait if left_behind is None else min(wait, LEFT_BEHIND_POLL_S))
                 break
             except TimeoutError:
-                control.cancel()
+                why = self._left_behind(control, left_behind) if time.time() < deadline else None
+                if time.time() < deadline and why is None:
+                    continue
+                cancel_step(control)
+                if why is not None:
+                    return self._failure(started, f"gave up looking for a group: {why}")
                 return self._failure(started, f"deadline passed (stage {control.stage.name})")
             except (KeyboardInterrupt, SystemExit):
                 raise
@@ -379,7 +393,7 @@ class PseudoGradientAverager:
     def cancel(self, handle: AveragingHandle) -> None:
         """Give up ``handle``'s step: its :meth:`finish` fails soon and is not retried (its result is not wanted)."""
         handle.cancelled = True
-        handle.control.cancel()
+        cancel_step(handle.control)
 
     def average(
         self, tensors: Sequence[torch.Tensor] | None, weight: float, gather: Any, deadline: float, round: int = 0,
@@ -457,6 +471,12 @@ class PseudoGradientAverager:
             return True
         finally:
             lock.release()
+
+    def _left_behind(self, control: StepControl, left_behind: Callable[[], str | None] | None) -> str | None:
+        late = time.time() > control.scheduled_time + self.config.request_timeout
+        if left_behind is None or not late or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            return None
+        return left_behind()
 
     def _failure(self, started: float, reason: str) -> AveragingResult:
         logger.warning("averaging failed: %s", reason)

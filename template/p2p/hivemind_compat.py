@@ -17,7 +17,9 @@ The private members, and where they are used:
 - ``DHT._inner_pipe`` (the DHT process's end of its request pipe): :class:`DHTSurvivingDeadSenders`;
 - ``P2P._client`` (the p2p daemon's client): :func:`dial`;
 - the DHT key under which averagers declare their state-sharing priority (``<prefix>.all_averagers``, hivemind's
-  naming, not an API): :func:`declared_state_priorities`.
+  naming, not an API): :func:`declared_state_priorities`;
+- the order in which ``StepControl.cancel`` tells the averager process (its private ``_cancel`` future first, the
+  step's own shared state after): :func:`cancel_step`.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import hivemind
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
-__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OwnAllReduceHooks", "check_hivemind_version",
+__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OwnAllReduceHooks", "cancel_step", "check_hivemind_version",
            "declared_state_priorities", "dial", "visible_maddrs_coroutine"]
 
 HIVEMIND_VERSION = "1.1.12"
@@ -166,6 +170,17 @@ def declared_state_priorities(dht: hivemind.DHT, prefix: str) -> dict[str, float
         if isinstance(subkey, bytes) and isinstance(value, (int, float)) and not isinstance(value, bool):
             priorities[str(PeerID(subkey))] = float(value)
     return priorities
+
+
+def cancel_step(control: StepControl) -> None:
+    """Cancel an averaging step so that the averager process cannot miss it.
+
+    ``StepControl.cancel`` wakes the averager (its ``_cancel`` future) before it marks the step cancelled; an averager
+    that looks in between finds the step not cancelled and goes on matchmaking until the step's deadline. Measured
+    under two tests' load on 2 cores: a step given up at 25.9 s joined the next round's group at 34.9 s with its old
+    round's terms, and that round failed for the whole group. Marking the step first closes the window."""
+    MPFuture.cancel(control)  # the step's shared state: CANCELLED
+    control.cancel()  # then wake the averager (and refuse the trigger)
 
 
 async def dial(p2p: P2P, peer_id: PeerID, address: Multiaddr) -> None:

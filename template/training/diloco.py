@@ -83,7 +83,13 @@ from template.training.checkpoint import (
 from template.training.data import DataAssignment, TokenCorpus
 from template.training.distributed import NodeGroup
 from template.training.inner import InnerTrainer, evaluate
-from template.training.joining import SharedState, announce_run_identity, check_run_identity, wait_until_ready
+from template.training.joining import (
+    SharedState,
+    announce_run_identity,
+    check_run_identity,
+    passed_by,
+    wait_until_ready,
+)
 from template.training.model import build_model, place_model
 from template.training.outer import OuterOptimizer, load_into
 from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport, Tensors
@@ -255,7 +261,8 @@ class DiLoCoPeer:
             handle = self._begin(trained, trained.base_hash)
             result = None
             if handle is not None:
-                result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by))
+                result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by),
+                                              left_behind=lambda: passed_by(self.averager, plan.round))
             waited_s = time.monotonic() - trained.trained_at
             applied = self._apply(result, trained.base_hash)
             return self._land(trained, handle, result, applied, plan.round + 1, round_started, waited_s=waited_s)

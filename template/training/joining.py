@@ -78,6 +78,15 @@ def wait_until_ready(dht: hivemind.DHT, run_id: str, round: int, count: int, tim
     return seen
 
 
+def passed_by(averager: PseudoGradientAverager, round: int) -> str | None:
+    """Why a blocking peer's search for ``round``'s group is over, if a peer declares a later round's state: it
+    settled ``round``, so the round's one group formed without us (the next round re-syncs from that state)."""
+    newest = averager.newest_declared_state()
+    if newest is None or newest <= round:
+        return None
+    return f"a peer holds round {int(newest)}'s state: round {round}'s group formed without this peer"
+
+
 class SharedState:
     """θ_r with its outer momentum, and the round it is for: read by joining peers, replaced by a live peer's copy.
 

@@ -7,15 +7,17 @@ Nothing is started: these read hivemind's classes and signatures.
 from __future__ import annotations
 
 import inspect
+import time
 from pathlib import Path
 
 import hivemind
 import pytest
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
 from hivemind.p2p import P2P
 
 from template.p2p import hivemind_compat
-from template.p2p.hivemind_compat import HIVEMIND_VERSION, OwnAllReduceHooks, check_hivemind_version
+from template.p2p.hivemind_compat import HIVEMIND_VERSION, OwnAllReduceHooks, cancel_step, check_hivemind_version
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,3 +149,35 @@ def test_a_request_of_a_dead_sender_is_skipped_and_the_dht_keeps_serving():
         assert dht.is_alive()
     finally:
         dht.shutdown()
+
+
+def _what_the_averager_sees_when_woken(cancel) -> list[bool]:
+    """Whether the step reads as cancelled at the moment the averager's cancel future is set (what hivemind's step
+    loop checks when that future wakes it)."""
+    now = time.time()
+    control = StepControl(scheduled_time=now + 60, deadline=now + 120, allow_retries=False, weight=1.0,
+                          data_for_gather=b"")
+    seen: list[bool] = []
+
+    class AveragerSide:  # stands in for the averager process's trigger and cancel futures
+        def set_result(self, _):
+            seen.append(control.cancelled())
+
+        def cancel(self):
+            return True
+
+        def done(self):
+            return True
+
+    control.attach(AveragerSide(), AveragerSide())
+    cancel(control)
+    return seen
+
+
+def test_step_control_cancel_wakes_the_averager_before_the_step_reads_as_cancelled():
+    """The order cancel_step works around: when it is gone, cancel_step can become a plain cancel."""
+    assert _what_the_averager_sees_when_woken(StepControl.cancel) == [False]
+
+
+def test_cancel_step_marks_the_step_cancelled_before_it_wakes_the_averager():
+    assert _what_the_averager_sees_when_woken(cancel_step) == [True]
