@@ -211,7 +211,7 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         """A member of our latest group that missed an owner's share gets it as we received it (certified by the owner);
         anyone else, or a member past its allowance, is told ``BAD_GROUP_ID``."""
         held = self._held_shares
-        if held is None or not self._share_limiter.allow(str(context.remote_id)):
+        if held is None or not self._faults.relays or not self._share_limiter.allow(str(context.remote_id)):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in held.serve(request, context):

@@ -32,9 +32,9 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
   from the segments of our range it had not delivered yet; segments that it did deliver keep its contribution.
 - An owner that dies, is silent, replies garbage (not an averaged segment, undecodable, non-finite, wrong count) or
   signs its certificate wrongly does not cost the round: its share is fetched, whole and certified, from any groupmate
-  that received it (asked one after the other, each bounded by ``reducer_timeout``). Only a share that no groupmate
-  holds leaves its segments failed: the result is partial (``values_failed`` in the report), which the averager
-  reports as a failure. Nothing uncertified ever counts.
+  that received it, and last from the owner itself (asked one after the other, each bounded by ``reducer_timeout``).
+  Only a share that no groupmate holds leaves its segments failed: the result is partial (``values_failed`` in the
+  report), which the averager reports as a failure. Nothing uncertified ever counts.
 - The all-reduce handler serves members of this group only; anyone else gets ``PROTOCOL_VIOLATION``, and a request
   for another group id, or after the runner finished, is rejected.
 - A member whose gathered data is malformed has no announced weight or commitment: its segments are dropped.
@@ -301,6 +301,9 @@ class CheckedAllReduceRunner:
     async def _recover_share(self, owner: int) -> None:
         holders = [p for i, p in enumerate(self.ordered_peer_ids) if i not in (owner, self.my_index)]
         random.shuffle(holders)  # spread the relaying over the members that have it
+        # the owner last: its reply to us was lost or late, yet it holds its share (in a group of two, or when every
+        # other member is gone or frozen, it is the only one that can still give it)
+        holders.append(self.ordered_peer_ids[owner])
         request = share_message(ShareRequest(owner).pack(), code=averaging_pb2.PART_FOR_AVERAGING)
         request.group_id = self.group_id
         for holder in holders:

@@ -72,13 +72,16 @@ class AllReduceFaults:
     equivocator: its refusals carry proof). ``lie``: as an owner, return a wrong average (the negated one) to
     ``"all"`` members or to ``"some"`` (every other member), signing what it sends. ``frame``: as an owner, refuse the
     first other sender's segments claiming a mismatch, with a forged "proof". ``withhold_from``: as an owner, send the
-    member with that peer id nothing back (a transfer lost on the way: the member must fetch the share elsewhere).
+    member with that peer id nothing back (a transfer lost on the way: the member must fetch the share elsewhere, the
+    owner's relay included). ``relays=False``: serve no share to a groupmate that missed one, not even our own (with
+    ``withhold_from``: an owner that withholds its share both ways).
     """
 
     corrupt_segments: bool = False
     lie: str | None = None
     frame: bool = False
     withhold_from: str | None = None  # a member's peer id (base58)
+    relays: bool = True
 
     def __post_init__(self) -> None:
         if self.lie not in (None, "all", "some"):

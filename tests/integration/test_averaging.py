@@ -376,13 +376,31 @@ def test_a_member_that_misses_an_owners_share_fetches_it_from_a_groupmate(dhts, 
 
 
 @pytest.mark.timeout(120)
+def test_a_lost_transfer_in_a_group_of_two_is_fetched_again_from_the_owner(dhts):
+    """Two members: the owner's reply to the other one is lost on the way, and no third member holds the share. The
+    member asks the owner itself for it (its relay, certified like the reply) and both hold the same average."""
+    config = fast_config(target_group_size=2, min_group_size=2)
+    deltas = [random_deltas(0), random_deltas(1)]
+    victim = str(dhts[1].peer_id)
+    with averagers(dhts[:2], [config] * 2, faults=[AllReduceFaults(withhold_from=victim), None]) as peers:
+        results = average_all(peers, deltas, WEIGHTS[:2])
+        owner = list(results[1].group).index(peers[0].peer_id)
+    assert all(r.ok for r in results), [r.reason for r in results]
+    assert len({digest(r.averaged) for r in results}) == 1, "both members hold the same bytes"
+    assert results[1].evidence.recovered == {owner: peers[0].peer_id} and results[0].evidence.recovered == {}
+    assert max_error(results[1].averaged, weighted_mean(deltas, WEIGHTS[:2])) <= codec_tolerance("none", deltas)
+
+
+@pytest.mark.timeout(120)
 def test_a_share_that_no_groupmate_holds_stays_failed_and_the_average_is_not_applied(dhts):
-    """Two members: the owner's transfer to the other one is lost and nobody else holds it. That member reports a
-    partial all-reduce (its buffers untouched), quickly; the owner, which holds everything, succeeds."""
+    """Two members: the owner withholds its share from the other one both ways (no reply, no relay) and nobody else
+    holds it. That member reports a partial all-reduce (its buffers untouched), quickly; the owner, which holds
+    everything, succeeds."""
     config = fast_config(target_group_size=2, min_group_size=2)
     victim = str(dhts[1].peer_id)
     started = time.monotonic()
-    with averagers(dhts[:2], [config] * 2, faults=[AllReduceFaults(withhold_from=victim), None]) as peers:
+    withholder = AllReduceFaults(withhold_from=victim, relays=False)
+    with averagers(dhts[:2], [config] * 2, faults=[withholder, None]) as peers:
         results = average_all(peers, [random_deltas(0), random_deltas(1)], WEIGHTS[:2])
     assert results[0].ok, results[0].reason
     assert not results[1].ok and results[1].reason.startswith("partial all-reduce"), results[1].reason
