@@ -6,15 +6,23 @@ bit-identical parameters, and the caller's global RNG is left as it was.
 
 Failure behaviour: nothing here touches the network except ``load_pretrained`` (a plain
 ``from_pretrained``); an unknown preset raises ``KeyError`` naming the known ones.
+
+``transformers`` is imported where a model is built, not with this module: importing it takes ~2.5 s of CPU (it
+pulls in ``torch.distributed.tensor`` and ``torch._dynamo``), which every process that imports the neurons' config
+paid — ``--help``, a refused flag, the mock chain, the local network's supervisor — though none of them builds a
+model.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedModel
 
 BYTE_VOCAB_SIZE = 257  # ByteTokenizer: 256 byte values + EOS
 
@@ -34,6 +42,8 @@ class ModelSpec:
     rope_theta: float = 10_000.0
 
     def llama_config(self, vocab_size: int, seq_len: int) -> LlamaConfig:
+        from transformers import LlamaConfig
+
         return LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=self.hidden_size,
@@ -99,6 +109,8 @@ def build_model(
 
     ``device="meta"`` builds the module without allocating storage, to count a big preset's parameters.
     """
+    from transformers import LlamaForCausalLM
+
     config = get_spec(preset).llama_config(vocab_size, seq_len)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(init_seed)
