@@ -460,11 +460,9 @@ class DiLoCoPeer:
 
     def _stale(self, plan: RoundPlan, round_started: float) -> RoundOutcome:
         """The outcome of a plan overtaken by an adopted peer state: nothing trained, nothing averaged."""
-        reason = f"adopted a peer state of round {self.round}: plan for round {plan.round} not run"
-        log.info(reason)
-        theta_hash = self.outer.theta_hash()
-        report = RoundReport(plan.round, theta_hash, 0, 0, None, None, False, reason, 0, 0.0,
-                             time.monotonic() - round_started, 0.0, 0, theta_hash)
+        log.info(reason := f"adopted a peer state of round {self.round}: plan for round {plan.round} not run")
+        report = RoundReport(plan.round, theta := self.outer.theta_hash(), 0, 0, None, None, False, reason, 0, 0.0,
+                             time.monotonic() - round_started, 0.0, 0, theta)
         return RoundOutcome(report, None, None, None, None, None, None)
 
     def _apply(self, result: AveragingResult | None, current: str) -> tuple[bool, str]:
@@ -557,11 +555,10 @@ class DiLoCoPeer:
     def save(self) -> None:
         """Checkpoint θ_r, the outer momentum, the inner AdamW state, the error feedback and the round (leader rank).
 
-        The tensors are copied here; the write (atomic and fsync'ed: :func:`save_checkpoint`) runs on a background
-        thread while the next round trains, one write at a time — it was most of a round's bookkeeping (~80 ms for
-        the tiny preset, seconds for larger ones). A write that failed raises its CheckpointError from the next
-        :meth:`save` or from :meth:`flush_checkpoint`; the checkpoint before it stays the latest.
-        """
+        The tensors are copied here; the write (atomic, fsync'ed: :func:`save_checkpoint`) runs on a background thread
+        while the next round trains, one at a time (it was most of a round's bookkeeping: ~80 ms for the tiny preset,
+        seconds for larger ones). A failed write raises its CheckpointError from the next :meth:`save` or
+        :meth:`flush_checkpoint`; the checkpoint before it stays the latest."""
         if self._checkpoints is None or not self.node.is_leader:
             return
         self.flush_checkpoint()
@@ -575,8 +572,8 @@ class DiLoCoPeer:
 
     def flush_checkpoint(self) -> None:
         """Wait for the checkpoint being written (if any); raise its CheckpointError if the write failed."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
+        if (writing := self._writing) is not None:
+            self._writing = None
             writing.result()
 
     def _load_checkpoint(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
