@@ -383,12 +383,13 @@ class PseudoGradientAverager:
             finished_at=report.finished_at,
         )
 
-    def finish_in_background(self, handle: AveragingHandle, deadline: float) -> Future[AveragingResult]:
+    def finish_in_background(self, handle: AveragingHandle, deadline: float,
+                             left_behind: Callable[[], str | None] | None = None) -> Future[AveragingResult]:
         """:meth:`finish` on this averager's background thread: the all-reduce runs as soon as its group forms and
         the members' confirmation follows, while the caller trains the next round (overlap). The future is done by
         ``deadline`` at the latest; one all-reduce at a time."""
         self._check_open()
-        return self._background.submit(self.finish, handle, deadline)
+        return self._background.submit(self.finish, handle, deadline, left_behind)
 
     def cancel(self, handle: AveragingHandle) -> None:
         """Give up ``handle``'s step: its :meth:`finish` fails soon and is not retried (its result is not wanted)."""

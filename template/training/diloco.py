@@ -172,8 +172,7 @@ class DiLoCoPeer:
         self.scope = f"{scope}/{self.averaging_config.prefix}" if scope else self.averaging_config.prefix
         self.min_contributors = min(2, self.averaging_config.min_group_size)  # trainers a group needs to count
         self.averager: PseudoGradientAverager | None = None
-        if node.is_leader:
-            assert dht is not None
+        if node.is_leader:  # with a DHT (checked above)
             check_run_identity(dht, spec.run_id, self.identity)
             self.averager = PseudoGradientAverager(dht, self._shapes, self.averaging_config, codec=self.codec,
                                                    signer=signer, state_provider=self.state.snapshot, faults=faults)
@@ -290,7 +289,8 @@ class DiLoCoPeer:
         # average will be applied to (a member that missed round r−1's step holds another and will not apply it)
         begun_at = time.time()
         handle = self._begin(trained, theta_hash)
-        pending = self.averager.finish_in_background(handle, handle.deadline) if handle is not None else None
+        left_behind = lambda: passed_by(self.averager, plan.round, overlapped=True)  # noqa: E731
+        pending = self.averager.finish_in_background(handle, handle.deadline, left_behind) if handle else None
         self._in_flight = InFlight(trained, handle, pending, begun_at)
         own = trained.contribution
         if landing is None:

@@ -78,11 +78,13 @@ def wait_until_ready(dht: hivemind.DHT, run_id: str, round: int, count: int, tim
     return seen
 
 
-def passed_by(averager: PseudoGradientAverager, round: int) -> str | None:
-    """Why a blocking peer's search for ``round``'s group is over, if a peer declares a later round's state: it
-    settled ``round``, so the round's one group formed without us (the next round re-syncs from that state)."""
+def passed_by(averager: PseudoGradientAverager, round: int, *, overlapped: bool = False) -> str | None:
+    """Why a peer's search for ``round``'s group is over, if a peer declares the state of a round that it settled
+    after ``round``: then the round's one group formed without us (we re-sync from that state). A peer that took
+    round r's outer step declares r + 1, or r + 2 overlapped (it declares r + 1 when round r's all-reduce starts, and
+    lands round r one round later)."""
     newest = averager.newest_declared_state()
-    if newest is None or newest <= round:
+    if newest is None or newest < round + (2 if overlapped else 1):
         return None
     return f"a peer holds round {int(newest)}'s state: round {round}'s group formed without this peer"
 
