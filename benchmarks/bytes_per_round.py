@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,10 +50,14 @@ def count_params(model: str) -> int:
 
 
 def measure_codec(codec: str, peers: int, peer_args: list[str], timeout_s: float) -> dict[str, Any]:
-    """Run one group of real peers with ``codec``; bytes each peer sent in each round."""
-    with tempfile.TemporaryDirectory(prefix=f"bench-bytes-{codec}-") as out:
-        run = run_peers(peers, ["--run-id", f"bytes{codec}", "--compression", codec, *peer_args], Path(out),
-                        timeout_s, threads=1, name_prefix=f"{codec}-peer")
+    """Run one group of real peers with ``codec``; bytes each peer sent in each round. The peers' logs are kept (and
+    named in ``logs``) when a round failed, deleted otherwise."""
+    out = Path(tempfile.mkdtemp(prefix=f"bench-bytes-{codec}-"))
+    run = run_peers(peers, ["--run-id", f"bytes{codec}", "--compression", codec, *peer_args], out, timeout_s,
+                    threads=1, name_prefix=f"{codec}-peer")
+    failed = any(not event["allreduce_ok"] for events in run.rounds.values() for event in events)
+    if not failed and run.finished:
+        shutil.rmtree(out, ignore_errors=True)
     rounds = sorted({event["round"] for events in run.rounds.values() for event in events})
     per_round = []
     for r in rounds:
@@ -60,13 +65,16 @@ def measure_codec(codec: str, peers: int, peer_args: list[str], timeout_s: float
         sent = [rep["bytes_sent"] for rep in reports if rep["allreduce_ok"]]
         per_round.append(dict(round=r, peers_ok=len(sent), bytes_sent_mean=sum(sent) / len(sent) if sent else None,
                               bytes_sent_max=max(sent, default=None), bytes_sent_min=min(sent, default=None),
-                              group_size=max((rep["group_size"] for rep in reports), default=0)))
+                              group_size=max((rep["group_size"] for rep in reports), default=0),
+                              failures=sorted({rep.get("reason", "") for rep in reports
+                                               if not rep["allreduce_ok"]})))
     for row in per_round:  # every peer that took the step must hold the same θ
         hashes = {rep["theta_hash"] for rep in run.reports(row["round"]) if rep["allreduce_ok"]}
         row["theta_identical"] = len(hashes) == 1
     ok_means = [row["bytes_sent_mean"] for row in per_round if row["peers_ok"] == peers]
     params = [event.get("params") for event in run.ready.values()]
     return dict(codec=codec, finished=run.finished, errors=run.errors, seconds=round(run.seconds, 1),
+                logs=str(out) if out.exists() else None,
                 params=params[0] if params else None, per_round=per_round,
                 bytes_per_round_per_peer=median(ok_means) if ok_means else None)
 
