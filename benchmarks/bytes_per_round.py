@@ -55,9 +55,6 @@ def measure_codec(codec: str, peers: int, peer_args: list[str], timeout_s: float
     out = Path(tempfile.mkdtemp(prefix=f"bench-bytes-{codec}-"))
     run = run_peers(peers, ["--run-id", f"bytes{codec}", "--compression", codec, *peer_args], out, timeout_s,
                     threads=1, name_prefix=f"{codec}-peer")
-    failed = any(not event["allreduce_ok"] for events in run.rounds.values() for event in events)
-    if not failed and run.finished:
-        shutil.rmtree(out, ignore_errors=True)
     rounds = sorted({event["round"] for events in run.rounds.values() for event in events})
     per_round = []
     for r in rounds:
@@ -72,6 +69,8 @@ def measure_codec(codec: str, peers: int, peer_args: list[str], timeout_s: float
         hashes = {rep["theta_hash"] for rep in run.reports(row["round"]) if rep["allreduce_ok"]}
         row["theta_identical"] = len(hashes) == 1
     ok_means = [row["bytes_sent_mean"] for row in per_round if row["peers_ok"] == peers]
+    if run.finished and len(ok_means) == len(per_round):  # every round ok for every peer: the logs say nothing new
+        shutil.rmtree(out, ignore_errors=True)
     params = [event.get("params") for event in run.ready.values()]
     return dict(codec=codec, finished=run.finished, errors=run.errors, seconds=round(run.seconds, 1),
                 logs=str(out) if out.exists() else None,

@@ -331,8 +331,8 @@ class PseudoGradientAverager:
                 outcome = control.result(timeout=wait if left_behind is None else min(wait, LEFT_BEHIND_POLL_S))
                 break
             except TimeoutError:
-                why = self._left_behind(control, left_behind) if time.time() < deadline else None
-                if time.time() < deadline and why is None:
+                why = None
+                if time.time() < deadline and (why := self._left_behind(control, left_behind)) is None:
                     continue
                 cancel_step(control)
                 if why is not None:

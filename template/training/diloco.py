@@ -289,8 +289,8 @@ class DiLoCoPeer:
         # average will be applied to (a member that missed round r−1's step holds another and will not apply it)
         begun_at = time.time()
         handle = self._begin(trained, theta_hash)
-        left_behind = lambda: passed_by(self.averager, plan.round, overlapped=True)  # noqa: E731
-        pending = self.averager.finish_in_background(handle, handle.deadline, left_behind) if handle else None
+        pending = None if handle is None else self.averager.finish_in_background(
+            handle, handle.deadline, lambda: passed_by(self.averager, plan.round, overlapped=True))
         self._in_flight = InFlight(trained, handle, pending, begun_at)
         own = trained.contribution
         if landing is None:

@@ -166,7 +166,7 @@ def test_bytes_per_round_quick(outputs):
     assert set(codecs) == {"none", "int8"}  # --quick: the two extremes, run as two concurrent peer groups
     for m in codecs.values():
         assert m["finished"] is True and m["errors"] == {}, m
-        why = (m["codec"], m["seconds"], m["per_round"])  # a failed round says why in its failures
+        why = (m["codec"], m["seconds"], m["per_round"], m["logs"])  # a failed round: its failures, its peers' logs
         assert m["measured_over_analytic"] is not None and 1.0 <= m["measured_over_analytic"] <= 1.01, why  # framing
         assert all(row["theta_identical"] for row in m["per_round"]), m["per_round"]
     assert codecs["none"]["bytes_per_round_per_peer"] > 3.9 * codecs["int8"]["bytes_per_round_per_peer"]
