@@ -19,22 +19,24 @@ Arms (tiny preset, byte-level data, the engine's default inner AdamW settings fo
   is the engine's ``OuterOptimizer``. ``sparse`` takes its settings from ``--sparse-*``; ``--sweep`` runs k ∈ {16,
   64, 256} of 4096 × bits ∈ {1, 2, 4} × error-feedback β ∈ {off, 0.9, 0.95, 1.0} (36 arms; ``--sweep-*`` pick a
   part) at the outer step of ``--outer``, beside ``diloco_none`` (and skips ``dp``/``single``).
-- ``diloco_<codec>_delayed`` / ``_eager`` / ``_eager_mixed`` (``--overlap``): round r's all-reduce runs while round r+1
-  trains. Notation: G_r is the global θ after the outer steps of Δ̄_0 … Δ̄_{r−1}, identical on every peer (G_0 = θ_0,
-  G_{r+1} = outer(G_r, Δ̄_r), with the outer optimizer's momentum); Δ̄_r arrives during round r+1, so at the start of
-  round r+1 a peer knows G_r but not G_{r+1}. Every peer contributes its *own progress* in the round:
-  Δ_{i,r} = S_{i,r} − θ_local_{i,r}, where S_{i,r} is the θ its inner training of round r started from.
+- ``diloco_<codec>_delayed`` / ``_eager`` / ``_eager_full`` / ``_eager_mixed`` (``--overlap``): round r's all-reduce
+  runs while round r+1 trains. Notation: G_r is the global θ after the outer steps of Δ̄_0 … Δ̄_{r−1}, identical on
+  every peer (G_0 = θ_0, G_{r+1} = outer(G_r, Δ̄_r), with the outer optimizer's momentum); Δ̄_r arrives during round
+  r+1, so at the start of round r+1 a peer knows G_r but not G_{r+1}. Every peer contributes its *own progress* in
+  the round: Δ_{i,r} = S_{i,r} − θ_local_{i,r}, where S_{i,r} is the θ its inner training of round r started from.
 
   - blocking (``diloco_<codec>``): S_{i,r+1} = G_{r+1} (wait for Δ̄_r).
   - delayed: S_{i,r+1} = G_r, the same on every peer: the outer step lags one round (the start-point track
     B_{r+1} = outer(B_r, Δ̄_{r−1})), and Δ̄_r, measured from B_r = G_{r−1}, is applied to G_r (one round stale).
-  - eager: S_{i,r+1} = outer(G_r, D_{i,r}) computed on a local copy of G_r and its momentum, where D_{i,r} is the
-    peer's own *decoded* contribution (exactly the bytes it published) standing in for Δ̄_r. The global track still
-    applies the true Δ̄_r once it arrives, so every peer's G stays identical, and the mean of the peers' start points
-    is G_{r+1} up to the averaged segment's rounding (the outer step is affine in Δ). Using the decoded contribution
-    (not the raw Δ) keeps S_{i,r+1} a function of public data — a validator can recompute where the miner started —
-    and keeps the stand-ins' mean equal to the mean that is actually applied.
-  - eager_mixed: as eager, but the stand-in is the last average that did arrive with the peer's own share of it
+  - eager (the engine's): S_{i,r+1} = outer(G_r, s_{i,r}·D_{i,r}) computed on a local copy of G_r and its momentum,
+    where D_{i,r} is the peer's own *decoded* contribution (exactly the bytes it published) standing in for Δ̄_r,
+    shrunk by s_{i,r} = ⟨Δ̄_{r−1}, D_{i,r−1}⟩ / ⟨D_{i,r−1}, D_{i,r−1}⟩ in [0, 1] (``outer.stand_in_scale``: how far
+    the last average followed the peer's own last contribution; 1 in round 0). The global track still applies the
+    true Δ̄_r once it arrives, so every peer's G stays identical. Using decoded contributions and averages keeps
+    S_{i,r+1} a function of public data.
+  - eager_full: as eager with s = 1 (the engine's overlap before 2026-12-04): the mean of the peers' start points is
+    then G_{r+1} up to the average's rounding (the outer step is affine in Δ).
+  - eager_mixed: as eager_full, but the stand-in is the last average that did arrive with the peer's own share of it
     replaced by its fresh contribution, Δ̄_{r−1} + (w_i/W)·(D_{i,r} − D_{i,r−1}) (Δ̄_{−1} = D_{i,−1} = 0): the
     mixture of Kale et al., "Eager updates for overlapped communication and computation in DiLoCo" (2025) — the
     others' part is one round stale, but it is a mean of N, not one peer's noisy progress.
@@ -96,7 +98,7 @@ OVERLAP_OVER_BLOCKING_GOAL = 1.01  # overlapped communication within 1 % of the 
 SWEEP_K = "16,64,256"  # of 4096: density 0.39 %, 1.56 %, 6.25 %
 SWEEP_BITS = "1,2,4"
 SWEEP_DECAY = "off,0.9,0.95,1.0"  # error-feedback β; off = no residual at all
-OVERLAP_MODES = ("blocking", "delayed", "eager", "eager_mixed")
+OVERLAP_MODES = ("blocking", "delayed", "eager", "eager_full", "eager_mixed")
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ def _stepped(outer, delta: torch.Tensor, model: torch.nn.Module) -> torch.Tensor
 def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
     """One DiLoCo arm (module docstring): returns the final model, its curve and the bytes it sent."""
     from template.training.inner import InnerConfig, InnerTrainer
-    from template.training.outer import OuterOptimizer
+    from template.training.outer import OuterOptimizer, stand_in_scale
 
     codec = arm.build_codec()
     models = [data.build_model() for _ in range(setup.workers)]
@@ -233,18 +235,22 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
             outer.step(unflatten(averaged, outer.params()))
             peers.starts = [flatten(outer.params())] * setup.workers
         else:
+            landed = in_flight
             if in_flight is not None:  # Δ̄_{r−1} lands during round r: G_{r−1} → G_r
                 outer.step(unflatten(in_flight, outer.params()))
             if arm.overlap == "delayed":
                 peers.starts = [flatten(outer.params())] * setup.workers
-            elif arm.overlap == "eager":  # each peer's own decoded contribution stands in for Δ̄_r on a copy of G_r
+            elif arm.overlap == "eager":  # the engine's: the own contribution, shrunk by its fit, stands in for Δ̄_r
+                average = None if landed is None else unflatten(landed, outer.params())  # Δ̄_{r−1}
+                peers.starts = [_stepped(outer, stand_in_scale(old, average) * own, models[0])
+                                for own, old in zip(decoded, previous, strict=True)]
+            elif arm.overlap == "eager_full":  # the whole own contribution stands in for Δ̄_r
                 peers.starts = [_stepped(outer, own, models[0]) for own in decoded]
             else:  # eager_mixed: Δ̄_{r−1} with the peer's own share swapped for its fresh contribution
-                landed = torch.zeros_like(theta_0) if in_flight is None else in_flight
+                landed = torch.zeros_like(theta_0) if landed is None else landed
                 peers.starts = [_stepped(outer, landed + (own - old) * (weight / sum(weights)), models[0])
                                 for own, old, weight in zip(decoded, previous, weights, strict=True)]
-                previous = decoded
-            in_flight = averaged
+            in_flight, previous = averaged, decoded
         settled = flatten(outer.params()) if in_flight is None else _stepped(outer, in_flight, models[0])
         _load_flat(models[0], settled, outer.params())
         curve.append(dict(step=(r + 1) * setup.inner_steps, loss=data.loss(models[0], data.curve_windows)))

@@ -13,21 +13,21 @@ A round reads like the pseudo-code of DESIGN.md §1 (:meth:`DiLoCoPeer.run_round
 With overlap (``RunSpec.overlap``, ``--overlap``) round r's all-reduce runs in the background while round r+1 trains,
 and its outer step lands one round late. Writing G_r for θ after the outer steps of rounds 0 … r−1 (the same on every
 peer, with the same outer momentum), a round r+1 starts while Δ̄_r is in flight, so each peer lets its own
-contribution c_r stand in for it (the *eager* update of Kale et al., 2025)::
+contribution c_r, shrunk by s (``outer.stand_in_scale``: the fit of its last average on its last c), stand in for it
+(the *eager* update of Kale et al., 2025)::
 
-    S = OuterNesterov(G_r, decode(c_r))  on copies (θ and momentum unchanged)      (G_0 for round 0)
+    S = OuterNesterov(G_r, s·decode(c_r))  on copies (θ and momentum unchanged)    (G_0 for round 0)
     θ_local ← S; the plan's inner steps; Δ_{r+1} = S − θ_local
     G_{r+1} = OuterNesterov(G_r, Δ̄_r)                                (round r lands: the true average)
     all-reduce(Δ_{r+1}) starts in the background; it lands at the end of round r+2
 
 G — what is checkpointed, shared with joiners and compared by the group (the ``base`` of a round is the G it
 started from) — stays bit-identical on every peer; only the start point S is a peer's own, and it is a function of
-public data (G and the bytes the peer contributed). The mean of the peers' start points is the true G_{r+1} up to
-the average's rounding (the outer step is affine in Δ). Why eager, with plain SGD, and not a one-round-delayed step
-(which diverged with Nesterov 0.9): docs/benchmarks.md §1a. A peer that did not land the previous round (its
-all-reduce failed, or it restarted with nothing in flight) re-syncs from live peers after its next round's training,
-when they have settled the round before: their state is G with the round whose all-reduce they expect in flight, the
-same round as its own. A crash loses the round in flight (the checkpoint holds G and the round after it).
+public data (G, the bytes the peer contributed and the averages). Why eager, shrunk, with plain SGD, and not a
+one-round-delayed step (which diverged with Nesterov 0.9): docs/benchmarks.md §1a. A peer that did not land the
+previous round (its all-reduce failed, or it restarted with nothing in flight) re-syncs from live peers after its next
+round's training, when they have settled the round before: their state is G with the round whose all-reduce they
+expect in flight, the same round as its own. A crash loses the round in flight (the checkpoint holds G and the next).
 
 What is guaranteed when things go wrong:
 
@@ -91,7 +91,7 @@ from template.training.joining import (
     wait_until_ready,
 )
 from template.training.model import build_model, place_model
-from template.training.outer import OuterOptimizer, load_into
+from template.training.outer import OuterOptimizer, load_into, stand_in_scale
 from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport, Tensors
 from template.training.round_state import InFlight, Stats, Trained
 from template.training.spec import RunMismatchError, RunSpec, fingerprint_of
@@ -382,29 +382,29 @@ class DiLoCoPeer:
             allreduce_s = max(0.0, finished_at - landing.begun_at)
             wait_s = landing.waited_s
         took_step, reason = applied
-        heldout = self._settle(next_round, took_step, evaluated_round=r, stand_in=stand_in)
+        own, averaged = trained.contribution, result.averaged if took_step and result is not None else None
+        heldout = self._settle(next_round, took_step, evaluated_round=r, stand_in=stand_in,
+                               scale=stand_in_scale(None if own is None else own.decoded, averaged))
         report = RoundReport(
             round=r, base_theta_hash=trained.base_hash, inner_steps=trained.stats.steps, tokens=trained.stats.tokens,
-            train_loss=trained.stats.mean_loss, heldout_loss=heldout,
-            allreduce_ok=took_step, reason=reason, group_size=result.group_size if result else 0,
-            allreduce_s=allreduce_s,
+            train_loss=trained.stats.mean_loss, heldout_loss=heldout, allreduce_ok=took_step, reason=reason,
+            group_size=result.group_size if result else 0, allreduce_s=allreduce_s,
             round_s=landing.round_s if landing is not None else time.monotonic() - round_started,
             inner_s=trained.stats.seconds, bytes_sent=result.bytes_sent if result else 0,
             theta_hash=theta_hash if theta_hash is not None else self.outer.theta_hash(), allreduce_wait_s=wait_s,
         )
-        averaged = result.averaged if took_step and result is not None else None
         return RoundOutcome(report, trained.base, trained.delta, averaged, result, trained.contribution,
                             handle.commitment if handle is not None else None)
 
     def _settle(self, next_round: int, in_step: bool, evaluated_round: int | None,
-                stand_in: EncodedContribution | None = None) -> float | None:
+                stand_in: EncodedContribution | None = None, scale: float = 1.0) -> float | None:
         """After an outer step was taken (``in_step``) or not: the state moves to ``next_round`` (after a failed
         round θ is kept, but the next round's data is new for everyone), a peer out of step re-syncs next round,
         θ reaches every rank and is checkpointed. Returns θ's held-out loss on ``evaluated_round``'s windows (None:
         not evaluated).
 
         With ``stand_in`` (overlap: the contribution whose average is in flight), the next round starts from θ
-        stepped with it instead of the average (the eager update, module docstring).
+        stepped with ``scale`` × it instead of the average (the eager update, module docstring).
         """
         with self.state.changing():
             self.state.round = next_round
@@ -412,7 +412,8 @@ class DiLoCoPeer:
         if self.averager is not None and self.dht is not None:
             self.averager.set_state_priority(self.round if in_step else -1)  # joiners pick the newest state
             announce_run_identity(self.dht, self.spec.run_id, self.identity)  # keep our record alive
-        self._start = self.outer.lookahead(shaped(stand_in.decoded, self._shapes)) if stand_in is not None else None
+        shrunk = None if stand_in is None else shaped(stand_in.decoded * scale, self._shapes)
+        self._start = None if shrunk is None else self.outer.lookahead(shrunk)
         self._sync_ranks()
         self.outer.load_into(self.model)
         if not self.node.hashes_agree(list(self.model.parameters())):
@@ -432,8 +433,7 @@ class DiLoCoPeer:
             dropped.result()  # its buffers are free for the next round's contribution once it has returned
 
     def encode(self, tensors: Tensors) -> EncodedContribution:
-        """``tensors`` encoded with the run's codec, as a contribution would be (no error feedback): for a
-        behaviour that publishes something else than it contributed."""
+        """``tensors`` encoded as a contribution would be (no error feedback), for a behaviour that publishes it."""
         return encode_contribution(self.codec, torch.cat([t.detach().reshape(-1) for t in tensors]).cpu())
 
     @property

@@ -11,7 +11,7 @@ import torch
 from template.training.data import ByteTokenizer, DataAssignment, TokenCorpus, build_corpus
 from template.training.inner import InnerConfig, InnerTrainer, NonFiniteLossError, evaluate
 from template.training.model import build_model
-from template.training.outer import OuterConfig, OuterOptimizer, load_into
+from template.training.outer import OuterConfig, OuterOptimizer, load_into, stand_in_scale
 
 REAL_TEXT = "stdlib"  # English prose every Python carries: no file outside the repository
 SEQ_LEN = 64
@@ -171,6 +171,23 @@ def test_lookahead_is_the_step_bit_for_bit_and_changes_nothing(config: OuterConf
         twin.step(delta)
         assert all(torch.equal(a, b) for a, b in zip(ahead, twin.params(), strict=True))
         outer.step(delta)
+
+
+def test_stand_in_scale_fits_the_last_average_on_the_own_contribution() -> None:
+    """The overlap's stand-in is the own contribution shrunk by ⟨Δ̄, c⟩ / ⟨c, c⟩ of the last round, within [0, 1]."""
+    model = build_model("tiny", 257, 32)
+    own_parts = random_deltas(model, 7)
+    own = torch.cat([t.reshape(-1) for t in own_parts])
+    other = random_deltas(model, 8)
+    assert stand_in_scale(own, [0.5 * t for t in own_parts]) == pytest.approx(0.5, rel=1e-5)
+    # the part of the average that is not along the own contribution does not count
+    mixed = [0.25 * t + o - (torch.dot(torch.cat([x.reshape(-1) for x in other]), own) / own.dot(own)) * t
+             for t, o in zip(own_parts, other, strict=True)]
+    assert stand_in_scale(own, mixed) == pytest.approx(0.25, abs=1e-4)
+    assert stand_in_scale(own, [-t for t in own_parts]) == 0.0  # an average against it: none of it
+    assert stand_in_scale(own, [3 * t for t in own_parts]) == 1.0  # never more than the whole contribution
+    assert stand_in_scale(own, None) == stand_in_scale(None, own_parts) == 1.0  # nothing landed: the plain eager
+    assert stand_in_scale(torch.zeros_like(own), own_parts) == 1.0
 
 
 def test_pseudo_gradient_from_a_start_point_other_than_theta() -> None:
