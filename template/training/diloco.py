@@ -371,9 +371,9 @@ class DiLoCoPeer:
               theta_hash: str | None = None) -> RoundOutcome:
         """After the trained round's outer step was taken or not (``applied``: :meth:`_apply`), move the state to
         ``next_round`` and say what happened. Blocking: ``round_started`` times the round and ``waited_s`` its
-        all-reduce; overlap: ``landing`` says when the all-reduce began, how long the call that trained the round
-        took and how long it waited, and ``stand_in`` (see :meth:`_settle`) is the contribution in flight.
-        ``theta_hash``: θ's hash when the caller holds it already (settling does not change the leader's θ)."""
+        all-reduce; overlap: ``landing`` says when the all-reduce began, how long the call that trained the round took
+        and how long it waited, ``stand_in`` (see :meth:`_settle`) is the contribution in flight; ``theta_hash``: θ's
+        hash when the caller holds it (settling does not change the leader's θ)."""
         r = trained.plan.round
         if landing is None:
             allreduce_s = wait_s = waited_s
@@ -382,9 +382,10 @@ class DiLoCoPeer:
             allreduce_s = max(0.0, finished_at - landing.begun_at)
             wait_s = landing.waited_s
         took_step, reason = applied
-        own, averaged = trained.contribution, result.averaged if took_step and result is not None else None
+        averaged = result.averaged if took_step and result is not None else None
+        own = trained.contribution.decoded if stand_in is not None and trained.contribution is not None else None
         heldout = self._settle(next_round, took_step, evaluated_round=r, stand_in=stand_in,
-                               scale=stand_in_scale(None if own is None else own.decoded, averaged))
+                               scale=stand_in_scale(own, averaged))  # two passes over Δ: overlap only
         report = RoundReport(
             round=r, base_theta_hash=trained.base_hash, inner_steps=trained.stats.steps, tokens=trained.stats.tokens,
             train_loss=trained.stats.mean_loss, heldout_loss=heldout, allreduce_ok=took_step, reason=reason,
@@ -404,8 +405,7 @@ class DiLoCoPeer:
         not evaluated).
 
         With ``stand_in`` (overlap: the contribution whose average is in flight), the next round starts from θ
-        stepped with ``scale`` × it instead of the average (the eager update, module docstring).
-        """
+        stepped with ``scale`` × it instead of the average (the eager update, module docstring)."""
         with self.state.changing():
             self.state.round = next_round
         self._resync_needed = self.node.is_leader and not in_step
@@ -433,7 +433,7 @@ class DiLoCoPeer:
             dropped.result()  # its buffers are free for the next round's contribution once it has returned
 
     def encode(self, tensors: Tensors) -> EncodedContribution:
-        """``tensors`` encoded as a contribution would be (no error feedback), for a behaviour that publishes it."""
+        """``tensors`` encoded like a contribution, without error feedback: what a two-faced behaviour publishes."""
         return encode_contribution(self.codec, torch.cat([t.detach().reshape(-1) for t in tensors]).cpu())
 
     @property
