@@ -412,8 +412,7 @@ class DiLoCoPeer:
         if self.averager is not None and self.dht is not None:
             self.averager.set_state_priority(self.round if in_step else -1)  # joiners pick the newest state
             announce_run_identity(self.dht, self.spec.run_id, self.identity)  # keep our record alive
-        shrunk = None if stand_in is None else shaped(stand_in.decoded * scale, self._shapes)
-        self._start = None if shrunk is None else self.outer.lookahead(shrunk)
+        self._start = None if stand_in is None else self.outer.lookahead(shaped(stand_in.decoded, self._shapes), scale)
         self._sync_ranks()
         self.outer.load_into(self.model)
         if not self.node.hashes_agree(list(self.model.parameters())):

@@ -89,17 +89,18 @@ class OuterOptimizer:
         return [theta - p.detach().to("cpu", torch.float32) for theta, p in zip(base, local, strict=True)]
 
     @torch.no_grad()
-    def lookahead(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """θ after :meth:`step` with ``delta``, computed on new tensors: θ and the momentum are not changed.
+    def lookahead(self, delta: list[torch.Tensor], scale: float = 1.0) -> list[torch.Tensor]:
+        """θ after :meth:`step` with ``scale`` × ``delta``, computed on new tensors: θ and the momentum are not changed.
 
         The same arithmetic as torch's SGD step (``foreach=False``): buf' = μ·buf + Δ (Δ when there is no buf yet),
-        g = Δ + μ·buf' with Nesterov (buf' without), θ' = θ − lr·g. One parameter's temporaries at a time.
+        g = Δ + μ·buf' with Nesterov (buf' without), θ' = θ − lr·g. One parameter's temporaries at a time (the
+        scale too: no scaled copy of the whole Δ).
         """
         self._check_shapes(delta, "lookahead delta")
         lr, momentum = self.config.lr, self.config.momentum
         stepped = []
         for theta, d in zip(self._theta, delta, strict=True):
-            d = d.detach().to("cpu", torch.float32)
+            d = d.detach().to("cpu", torch.float32).mul(scale)
             if momentum:
                 buffer = self._sgd.state.get(theta, {}).get("momentum_buffer")
                 buffer = d.clone() if buffer is None else buffer.mul(momentum).add_(d)

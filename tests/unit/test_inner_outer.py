@@ -168,6 +168,8 @@ def test_lookahead_is_the_step_bit_for_bit_and_changes_nothing(config: OuterConf
         ahead = outer.lookahead(delta)
         assert outer.state_dict().keys() == state.keys()
         assert all(torch.equal(v, state[k]) for k, v in outer.state_dict().items())  # nothing changed
+        scaled = zip(outer.lookahead(delta, 0.5), outer.lookahead([0.5 * d for d in delta]), strict=True)
+        assert all(torch.equal(a, b) for a, b in scaled)  # the overlap's shrunk stand-in, scaled per parameter
         twin.step(delta)
         assert all(torch.equal(a, b) for a, b in zip(ahead, twin.params(), strict=True))
         outer.step(delta)
@@ -181,8 +183,8 @@ def test_stand_in_scale_fits_the_last_average_on_the_own_contribution() -> None:
     other = random_deltas(model, 8)
     assert stand_in_scale(own, [0.5 * t for t in own_parts]) == pytest.approx(0.5, rel=1e-5)
     # the part of the average that is not along the own contribution does not count
-    mixed = [0.25 * t + o - (torch.dot(torch.cat([x.reshape(-1) for x in other]), own) / own.dot(own)) * t
-             for t, o in zip(own_parts, other, strict=True)]
+    along = torch.dot(torch.cat([x.reshape(-1) for x in other]), own) / own.dot(own)  # other's share along own
+    mixed = [0.25 * t + o - along * t for t, o in zip(own_parts, other, strict=True)]
     assert stand_in_scale(own, mixed) == pytest.approx(0.25, abs=1e-4)
     assert stand_in_scale(own, [-t for t in own_parts]) == 0.0  # an average against it: none of it
     assert stand_in_scale(own, [3 * t for t in own_parts]) == 1.0  # never more than the whole contribution
