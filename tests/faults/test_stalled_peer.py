@@ -239,8 +239,11 @@ def test_a_validator_stalled_mid_allreduce_does_not_hold_the_miners_back(dhts, a
     try:
         results, stalled_at, done, deadline = round_with_a_staller(dhts, whole, staller, seeds=(6, 7))
         round_deltas = [deltas(6), deltas(7)]
-        # the validator contributes nothing: the miners' average is complete without it
-        assert all(r.ok and r.group_size == 3 for r in results), [(r.reason, r.group_size) for r in results]
+        # the validator contributes nothing: the miners' average is complete without it (a failure says which owner's
+        # share was missed and why, and who relayed what)
+        assert all(r.ok and r.group_size == 3 for r in results), [
+            (r.reason, r.group_size, r.evidence.failed_owners, r.evidence.recovered)
+            for r in results]
         assert len({digest(r.averaged) for r in results}) == 1
         for got, want in zip(results[0].averaged, expected_mean(round_deltas), strict=True):
             assert float((got.double() - want).abs().max()) <= 1e-6
