@@ -28,8 +28,8 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
 - Nobody waits forever: every stream is bounded by ``sender_timeout`` (a sender's silence) and ``reducer_timeout``
   (2× that; an owner's silence, and how long an owner stays to serve groupmates that have not fetched its share),
   and never past ``deadline``: a groupmate that never comes cannot get a complete result cancelled with the wait.
-- A sender that stops sending, or breaks the stream (a bad header, segments out of order), is banned: it is excluded
-  from the segments of our range it had not delivered yet; segments that it did deliver keep its contribution.
+- A sender that starts late, stops sending, or breaks the stream (a bad header, segments out of order), is banned:
+  excluded from the segments of our range it had not delivered yet (those it did keep it); a late one gets our averages.
 - An owner that dies, is silent, replies garbage (not an averaged segment, undecodable, non-finite, wrong count) or
   signs its certificate wrongly does not cost the round: its share is fetched, whole and certified, from any groupmate
   that received it, and last from the owner itself (asked one after the other, each bounded by ``reducer_timeout``).
@@ -328,6 +328,7 @@ class CheckedAllReduceRunner:
             if peer_id == self.peer_id:  # owners are always senders: auxiliaries own nothing
                 await self._average_own_range()
                 return
+            await asyncio.sleep(self.terms.faults.start_late_s)  # AllReduceFaults (0: the honest protocol)
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_owner(owner), done_sending)
             stream = await self._stub(peer_id).rpc_aggregate_part(inputs)
@@ -469,7 +470,7 @@ class CheckedAllReduceRunner:
         reducer, (start, stop) = self.reducer, self.my_range
         sent: list[bytes] = []
         withheld = str(self.ordered_peer_ids[receiver]) == self.terms.faults.withhold_from  # AllReduceFaults
-        offset = 0
+        offset, excluded = 0, sender_index is None
         try:
             header = await anext(stream)
             if sender_index is not None:
@@ -477,15 +478,15 @@ class CheckedAllReduceRunner:
             async for message in stream:
                 if offset >= stop - start:
                     raise AllreduceException("more segments than the range holds")
-                if sender_index is None:  # an auxiliary: its messages are placeholders
-                    result = await reducer.result(offset)
-                else:
+                if not excluded:
                     contribution = await asyncio.get_event_loop().run_in_executor(
                         None, self._check_segment, sender_index, start + offset, message)
                     try:
                         result = await reducer.accumulate(contribution, offset)
-                    except BannedException:
-                        break
+                    except BannedException:  # it came late or fell behind: it gets the averages, without its part
+                        excluded = True
+                if excluded:  # an auxiliary's messages are placeholders; so are a banned sender's from now on
+                    result = await reducer.result(offset)
                 averaged = self._as_sent_to(receiver, result)
                 packed = averaged.pack(len(self.sender_peer_ids))
                 sent.append(packed)
@@ -559,7 +560,8 @@ class CheckedAllReduceRunner:
         return self.peer_fractions[self.ordered_peer_ids.index(peer_id)] == 0
 
     async def _handle_missing_senders(self) -> None:
-        """Senders that have not started sending within ``sender_timeout`` are banned: nobody waits for them."""
+        """Senders that have not started within ``sender_timeout`` are banned, yet stay unserved: a late one (a stalled
+        process) gets our averages from us, not from a relay (measured: one relayed from a frozen validator, lost)."""
         try:
             await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
         except asyncio.TimeoutError:
@@ -573,7 +575,6 @@ class CheckedAllReduceRunner:
             if peer_id not in self.banned_senders:
                 self.banned_senders.add(peer_id)
                 self.reducer.on_sender_failed(self.sender_peer_ids.index(peer_id))
-        self._mark_served(peer_id)
 
     def _mark_served(self, peer_id: PeerID) -> None:
         self._unserved.discard(peer_id)
@@ -586,14 +587,12 @@ class CheckedAllReduceRunner:
         """What this peer can say about the round (its evidence and counters)."""
         layout, reducer = self.terms.layout, self.reducer
         return AllReduceReport(
-            group_id=self.group_id,
-            evidence=self.evidence,
+            group_id=self.group_id, evidence=self.evidence,
             values_total=layout.numel,
             values_failed=sum(layout.numel_of(k) for k in range(layout.count) if not self.registered[k]),
             segments_expected=reducer.num_segments * reducer.num_senders,
             segments_received=reducer.segments_received,
-            dropped=list(reducer.dropped),
-            clipped=list(reducer.clipped),
+            dropped=list(reducer.dropped), clipped=list(reducer.clipped),
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             inputs=self.kept.snapshot() if self.owns_segments else None,

@@ -74,7 +74,8 @@ class AllReduceFaults:
     first other sender's segments claiming a mismatch, with a forged "proof". ``withhold_from``: as an owner, send the
     member with that peer id nothing back (a transfer lost on the way: the member must fetch the share elsewhere, the
     owner's relay included). ``relays=False``: serve no share to a groupmate that missed one, not even our own (with
-    ``withhold_from``: an owner that withholds its share both ways).
+    ``withhold_from``: an owner that withholds its share both ways). ``start_late_s``: open our streams to the other
+    owners this many seconds late (a process that stalled right after its group formed).
     """
 
     corrupt_segments: bool = False
@@ -82,10 +83,13 @@ class AllReduceFaults:
     frame: bool = False
     withhold_from: str | None = None  # a member's peer id (base58)
     relays: bool = True
+    start_late_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lie not in (None, "all", "some"):
             raise ValueError("lie must be None, 'all' or 'some'")
+        if self.start_late_s < 0:
+            raise ValueError("start_late_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -268,7 +268,10 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
     outcome = audit_allreduce(validator, published, codec, config.prefix, 0, config.owner_rule)
     segments = len(contributions[0].segments)
     if lie == "some":
-        assert not any(r.ok for r in results), [r.reason for r in results]
+        seen = [(r.ok, r.reason, r.group_size, r.finished_at, r.evidence and (
+            {i: c.digest.hex()[:8] for i, c in r.evidence.certificates.items()}, r.evidence.failed_owners,
+            r.evidence.recovered, r.evidence.conflicts)) for r in results]
+        assert not any(r.ok for r in results), seen
         assert set(outcome.accused) == {ids[1]} and "different shares" in outcome.accused[ids[1]], outcome
         return
     assert all(r.ok for r in results) and len({digest(r.averaged) for r in results}) == 1, [r.reason for r in results]
@@ -389,6 +392,29 @@ def test_a_lost_transfer_in_a_group_of_two_is_fetched_again_from_the_owner(dhts)
     assert len({digest(r.averaged) for r in results}) == 1, "both members hold the same bytes"
     assert results[1].evidence.recovered == {owner: peers[0].peer_id} and results[0].evidence.recovered == {}
     assert max_error(results[1].averaged, weighted_mean(deltas, WEIGHTS[:2])) <= codec_tolerance("none", deltas)
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_starts_late_is_left_out_of_the_owners_averages_yet_gets_them_from_the_owners(dhts):
+    """A member's process stalls right after its group formed: its streams to the other owners open after
+    ``sender_timeout``. Each of them leaves it out of its range (nobody waited for it) yet stays to serve it, so it
+    gets every share from its owner — nothing relayed, nothing failed — and every member holds the same bytes. (CI,
+    once: the owner had finished, the late member fetched the share from a groupmate; with an owner lying to some
+    members, the relayed honest copy hid the lie.)"""
+    config = fast_config(compression="fp16")
+    deltas = [random_deltas(seed) for seed in range(3)]
+    late = AllReduceFaults(start_late_s=1.5 * config.next_chunk_timeout)
+    with averagers(dhts, [config] * 3, faults=[None, None, late]) as peers:
+        results = average_all(peers, deltas, WEIGHTS)
+        late_id, order = peers[2].peer_id, list(results[0].group)
+    assert all(r.ok for r in results), [r.reason for r in results]
+    assert len({digest(r.averaged) for r in results}) == 1, "every member holds the same bytes"
+    evidence = results[2].evidence
+    assert evidence.failed_owners == {} and evidence.recovered == {}, evidence
+    own_start, own_stop = evidence.ranges[order.index(late_id)]
+    assert results[0].coverage[late_id] == pytest.approx((own_stop - own_start) / evidence.segment_count)
+    assert 0 < results[0].coverage[late_id] < 1
+    assert all(results[0].coverage[peer.peer_id] == 1.0 for peer in peers[:2])
 
 
 @pytest.mark.timeout(120)
