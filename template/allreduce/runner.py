@@ -29,7 +29,8 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
   (2× that; an owner's silence, and how long an owner stays to serve groupmates that have not fetched its share),
   and never past ``deadline``: a groupmate that never comes cannot get a complete result cancelled with the wait.
 - A sender that starts late, stops sending, or breaks the stream (a bad header, segments out of order), is banned:
-  excluded from the segments of our range it had not delivered yet (those it did keep it); a late one gets our averages.
+  excluded from the segments of our range it had not delivered yet (those it did keep it); one that starts up to
+  ``sender_timeout`` after its ban or lags still gets our averages.
 - An owner that dies, is silent, replies garbage (not an averaged segment, undecodable, non-finite, wrong count) or
   signs its certificate wrongly does not cost the round: its share is fetched, whole and certified, from any groupmate
   that received it, and last from the owner itself (asked one after the other, each bounded by ``reducer_timeout``).
@@ -134,9 +135,7 @@ class CheckedAllReduceRunner:
         assert len(terms.commitments) == len(self.sender_peer_ids)
         self.is_sender = self.peer_id in self.sender_peer_ids
         assert not self.is_sender or own is not None, "a sender needs its encoded contribution"
-        self.all_senders_started = asyncio.Event()
-        self.banned_senders: set[PeerID] = set()
-        self.banlock = asyncio.Lock()
+        self.all_senders_started, self.banned_senders, self.banlock = asyncio.Event(), set(), asyncio.Lock()
         self.active_senders: set[PeerID] = {self.peer_id} if self.is_sender else set()
         if len(self.active_senders) == len(self.sender_peer_ids):
             self.all_senders_started.set()
@@ -146,13 +145,9 @@ class CheckedAllReduceRunner:
         self.my_index = self.ordered_peer_ids.index(self.peer_id)
         self.my_range = self.ranges[self.my_index]
         weight_by_peer = dict(zip(self.ordered_peer_ids, announced_weights, strict=True))
-        self.reducer = SegmentReducer(
-            [layout.numel_of(k) for k in range(*self.my_range)],
-            [str(p) for p in self.sender_peer_ids],
-            [weight_by_peer[p] for p in self.sender_peer_ids],
-            terms.codec,
-            rule,
-        )
+        self.reducer = SegmentReducer([layout.numel_of(k) for k in range(*self.my_range)],
+                                      [str(p) for p in self.sender_peer_ids],
+                                      [weight_by_peer[p] for p in self.sender_peer_ids], terms.codec, rule)
         # ``output``: where the averages go (the averager lends the same buffer every round: a fresh 40 MB block for
         # 10M values costs ~17 ms of page faults). Never zeroed: only a registered segment is ever read, and the
         # averager copies the output only when every segment is.
@@ -560,14 +555,19 @@ class CheckedAllReduceRunner:
         return self.peer_fractions[self.ordered_peer_ids.index(peer_id)] == 0
 
     async def _handle_missing_senders(self) -> None:
-        """Senders that have not started within ``sender_timeout`` are banned, yet stay unserved: a late one (a stalled
-        process) gets our averages from us, not from a relay (measured: one relayed from a frozen validator, lost)."""
-        try:
-            await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
-        except asyncio.TimeoutError:
-            for peer_id in self.sender_peer_ids:
-                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+        """Senders that have not started within ``sender_timeout`` are banned. One that comes within another
+        ``sender_timeout`` (a stalled process) still gets our averages from us, not from a relay (measured: one relayed
+        from a frozen validator, lost); after that it counts as gone (dead), and we stop waiting for it."""
+        for _ in range(2):
+            try:
+                await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
+                return
+            except asyncio.TimeoutError:
+                missing = [p for p in self.sender_peer_ids if p not in self.active_senders]
+                for peer_id in missing:
                     await self._ban_sender(peer_id)
+        for peer_id in missing:
+            self._mark_served(peer_id)
 
     async def _ban_sender(self, peer_id: PeerID) -> None:
         """Exclude ``peer_id`` from every segment of our range it has not delivered yet."""
