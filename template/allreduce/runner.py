@@ -30,7 +30,7 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
   and never past ``deadline``: a groupmate that never comes cannot get a complete result cancelled with the wait.
 - A sender that starts late, stops sending, or breaks the stream (a bad header, segments out of order), is banned:
   excluded from the segments of our range it had not delivered yet (those it did keep it); one that starts up to
-  ``sender_timeout`` after its ban or lags still gets our averages.
+  ``sender_timeout`` after its ban still gets our averages.
 - An owner that dies, is silent, replies garbage (not an averaged segment, undecodable, non-finite, wrong count) or
   signs its certificate wrongly does not cost the round: its share is fetched, whole and certified, from any groupmate
   that received it, and last from the owner itself (asked one after the other, each bounded by ``reducer_timeout``).
@@ -323,7 +323,8 @@ class CheckedAllReduceRunner:
             if peer_id == self.peer_id:  # owners are always senders: auxiliaries own nothing
                 await self._average_own_range()
                 return
-            await asyncio.sleep(self.terms.faults.start_late_s)  # AllReduceFaults (0: the honest protocol)
+            if self.terms.faults.start_late_s:  # AllReduceFaults: a process that stalled as its group formed
+                await asyncio.sleep(self.terms.faults.start_late_s)
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_owner(owner), done_sending)
             stream = await self._stub(peer_id).rpc_aggregate_part(inputs)
@@ -478,7 +479,7 @@ class CheckedAllReduceRunner:
                         None, self._check_segment, sender_index, start + offset, message)
                     try:
                         result = await reducer.accumulate(contribution, offset)
-                    except BannedException:  # it came late or fell behind: it gets the averages, without its part
+                    except BannedException:  # it came late: it gets the averages, without its part
                         excluded = True
                 if excluded:  # an auxiliary's messages are placeholders; so are a banned sender's from now on
                     result = await reducer.result(offset)
