@@ -70,6 +70,9 @@ class NeuronSettings:
     device: str = _help("cpu, cuda or cuda:N", default="cpu")
     full_path: str | None = _help(
         "state directory (checkpoints, scores); default ~/.diloco/<wallet>/<hotkey>/netuid<N>", default=None)
+    cache_dir: str | None = _help(
+        "token cache directory; neurons of one machine that train on the same data may share one, so that only the "
+        "first builds it (default: <state directory>/cache)", default=None)
     blocks_per_round: int = _help("chain blocks per DiLoCo round (every neuron of the subnet must agree)", default=25)
     allreduce_fraction: float = _help(
         "share of a round kept for the all-reduce on each side of the round's last block: training stops that long "
@@ -173,6 +176,11 @@ class NeuronConfig:
         wallet = self.chain.wallet
         return Path("~/.diloco").expanduser() / wallet.name / wallet.hotkey / f"netuid{self.chain.netuid}"
 
+    @property
+    def cache_dir(self) -> Path:
+        """Where this neuron's token cache lives (``--neuron.cache_dir``, else inside its state directory)."""
+        return Path(self.neuron.cache_dir).expanduser() if self.neuron.cache_dir else self.state_dir / "cache"
+
 
 # ------------------------------------------------------------------------------------------------ flags
 
@@ -214,6 +222,7 @@ def add_neuron_args(parser: argparse.ArgumentParser) -> None:
     neuron = parser.add_argument_group("neuron")
     _add(neuron, "--neuron.device", NeuronSettings, "device")
     _add(neuron, "--neuron.full_path", NeuronSettings, "full_path")
+    _add(neuron, "--neuron.cache_dir", NeuronSettings, "cache_dir")
     _add(neuron, "--neuron.blocks_per_round", NeuronSettings, "blocks_per_round", type=int)
     _add(neuron, "--neuron.allreduce_fraction", NeuronSettings, "allreduce_fraction", type=float)
     _add(neuron, "--neuron.max_rounds", NeuronSettings, "max_rounds", type=int)

@@ -58,7 +58,7 @@ class Miner:
         self.node = node
         self.stop = stop
         spec = config.run
-        tokenizer, corpus = config.data.load(spec.seq_len, config.state_dir / "cache" if node.is_leader else None)
+        tokenizer, corpus = config.data.load(spec.seq_len, config.cache_dir if node.is_leader else None)
         self._round_end = self._progress_at = 0.0
         self._directory: PeerDirectory | None = None
         averaging = self.signer = None

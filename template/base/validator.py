@@ -106,7 +106,7 @@ class Validator:
         self.settings = ctx.config.validator
         self.stop = ctx.stop
         spec = self.config.run
-        tokenizer, corpus = self.config.data.load(spec.seq_len, ctx.state_dir / "cache")
+        tokenizer, corpus = self.config.data.load(spec.seq_len, self.config.cache_dir)
         self.directory = ctx.settled_directory()
         self.peer = DiLoCoPeer(spec, corpus, tokenizer.vocab_size, peer_key=ctx.hotkey, dht=ctx.dht,
                                averaging=ctx.averaging_config(len(self.directory), auxiliary=True),

@@ -15,8 +15,10 @@ from pathlib import Path
 from template.chain.mock import MockSubstrate
 from template.chain.mock_server import MockChainServer
 from template.chain.wallets import create_wallet
+from template.training.data import DataConfig
 from tests.integration.neuron_processes import (
     REPO,
+    SEQ_LEN,
     events,
     neuron_command,
     require_alive,
@@ -33,7 +35,8 @@ class NetworkSettings:
     blocks_per_round: int
     tempo: int
     judged_rounds: int  # the validator's weights count once it has scored this many consecutive rounds
-    run_args: tuple[str, ...]  # the run's flags, the same for every neuron
+    data: str  # --run.data of every neuron
+    run_args: tuple[str, ...]  # the run's other flags, the same for every neuron
 
 
 class AdversarialNetwork:
@@ -57,6 +60,9 @@ class AdversarialNetwork:
         self.server = MockChainServer(self.mock, seconds_per_block=settings.seconds_per_block)
 
     def __enter__(self) -> AdversarialNetwork:
+        # the token cache every neuron reads: built once here instead of in each process at once (the stdlib corpus
+        # costs ~4 CPU-s to build, and ten neurons that start together share two cores)
+        DataConfig(source=self.settings.data).load(SEQ_LEN, self.tmp / "cache")
         self.server.__enter__()
         try:
             for name, extra in self.miners.items():
@@ -75,7 +81,8 @@ class AdversarialNetwork:
 
     def _start(self, script: str, name: str, *extra: str) -> subprocess.Popen:
         s = self.settings
-        command = neuron_command(script, name, self.tmp, self.server.url, s.netuid, s.blocks_per_round, *s.run_args,
+        command = neuron_command(script, name, self.tmp, self.server.url, s.netuid, s.blocks_per_round,
+                                 "--run.data", s.data, "--neuron.cache_dir", str(self.tmp / "cache"), *s.run_args,
                                  *extra)
         return start_process(command, self.tmp / f"{name}.log", self.env)
 

@@ -11,16 +11,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+SEQ_LEN = 64  # every test neuron's --run.seq_len
 
 
 def neuron_command(script: str, name: str, tmp: Path, url: str, netuid: int, blocks_per_round: int,
                    *extra: str) -> list[str]:
-    """``neurons/<script>.py`` for wallet ``name``, state and events under ``tmp``, the tiny model at seq 64."""
+    """``neurons/<script>.py`` for wallet ``name``, state and events under ``tmp``, the tiny model at ``SEQ_LEN``."""
     return [sys.executable, f"neurons/{script}.py", "--netuid", str(netuid), "--wallet.name", name,
             "--wallet.hotkey", "default", "--wallet.path", str(tmp / "wallets"), "--subtensor.network", url,
             "--neuron.full_path", str(tmp / name), "--neuron.blocks_per_round", str(blocks_per_round),
             "--neuron.events_file", str(tmp / f"{name}.events"), "--neuron.torch_threads", "1",
-            "--run.seq_len", "64", "--wandb.off", *extra]
+            "--run.seq_len", str(SEQ_LEN), "--wandb.off", *extra]
 
 
 def events(tmp: Path, name: str) -> list[dict]:

@@ -25,10 +25,9 @@ import pytest
 from tests.integration.adversarial_network import AdversarialNetwork, NetworkSettings, scored_rounds, share
 from tests.integration.neuron_processes import events
 
-RUN = ("--run.data", "stdlib", "--run.inner_steps", "20", "--run.warmup_steps", "20",
-       "--averaging.matchmaking_time", "4")
+RUN = ("--run.inner_steps", "20", "--run.warmup_steps", "20", "--averaging.matchmaking_time", "4")
 SETTINGS = NetworkSettings(netuid=5, seconds_per_block=0.5, blocks_per_round=40, tempo=20, judged_rounds=7,
-                           run_args=RUN)
+                           data="stdlib", run_args=RUN)
 HONEST = {name: ("--miner.behaviour", "honest") for name in ("honest-a", "honest-b", "honest-c")}
 ATTACKERS = {
     "twofaced": ("--miner.behaviour", "twofaced"),

@@ -44,10 +44,10 @@ CHEATERS = {
 }
 # Warm-up over one round (20 steps) instead of the default 50: the judging window is 5 rounds, and while the learning
 # rate is still ramping up a tiny model memorizes nothing, so the copy test could not tell an original from its copy.
-RUN = ("--run.data", DATA, "--run.inner_steps", "20", "--run.warmup_steps", "20", "--averaging.matchmaking_time", "4")
+RUN = ("--run.inner_steps", "20", "--run.warmup_steps", "20", "--averaging.matchmaking_time", "4")
 
 
-SETTINGS = NetworkSettings(NETUID, SECONDS_PER_BLOCK, BLOCKS_PER_ROUND, TEMPO, NETWORK_ROUNDS, RUN)
+SETTINGS = NetworkSettings(NETUID, SECONDS_PER_BLOCK, BLOCKS_PER_ROUND, TEMPO, NETWORK_ROUNDS, DATA, RUN)
 
 
 @pytest.fixture(scope="module")

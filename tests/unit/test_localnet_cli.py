@@ -211,3 +211,12 @@ def test_help_lists_every_built_in_behaviour():
     text = " ".join(build_parser().format_help().split())  # argparse wraps names at their hyphens
     for name in BUILTIN:
         assert name in text.replace("- ", "-"), name
+
+
+def test_the_token_cache_lives_in_the_state_directory_unless_a_shared_one_is_named(tmp_path):
+    parser = load_script("validator").build_parser()
+    own = NeuronConfig.from_args(parser.parse_args(["--netuid", "3", "--neuron.full_path", str(tmp_path / "v")]))
+    assert own.cache_dir == tmp_path / "v" / "cache"
+    shared = NeuronConfig.from_args(parser.parse_args(["--netuid", "3", "--neuron.full_path", str(tmp_path / "v"),
+                                                       "--neuron.cache_dir", str(tmp_path / "shared")]))
+    assert shared.cache_dir == tmp_path / "shared" and shared.state_dir == tmp_path / "v"
