@@ -346,7 +346,8 @@ class PseudoGradientAverager:
                 if handle.cancelled or control.began_allreduce or retry_at >= deadline - self.config.request_timeout:
                     return self._failure(started, f"{type(e).__name__}: {e}")
                 logger.info("averaging step failed before the all-reduce (%r); looking for a group again", e)
-                control = self._step(handle.weight, handle.gather, retry_at, deadline, require_trigger=False)
+                control = handle.control = self._step(handle.weight, handle.gather, retry_at, deadline,
+                                                      require_trigger=False)  # what cancel must reach now
 
         report: AllReduceReport = outcome["report"]
         gathered = outcome["gathered"]

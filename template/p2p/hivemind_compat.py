@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import InvalidStateError
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -178,9 +179,17 @@ def cancel_step(control: StepControl) -> None:
     ``StepControl.cancel`` wakes the averager (its ``_cancel`` future) before it marks the step cancelled; an averager
     that looks in between finds the step not cancelled and goes on matchmaking until the step's deadline. Measured
     under two tests' load on 2 cores: a step given up at 25.9 s joined the next round's group at 34.9 s with its old
-    round's terms, and that round failed for the whole group. Marking the step first closes the window."""
+    round's terms, and that round failed for the whole group. Marking the step first closes the window.
+
+    A second cancel does nothing: hivemind's raises ``InvalidStateError`` once its cancel future is set (a step given
+    up at its deadline and then dropped by the engine crashed an overlapped peer, 2026-12-05)."""
+    if control.done():  # finished, failed or cancelled already: no averager runs it any more
+        return
     MPFuture.cancel(control)  # the step's shared state: CANCELLED
-    control.cancel()  # then wake the averager (and refuse the trigger)
+    try:
+        control.cancel()  # then wake the averager (and refuse the trigger)
+    except InvalidStateError:  # another thread cancelled it between the check and here: it is awake already
+        pass
 
 
 async def dial(p2p: P2P, peer_id: PeerID, address: Multiaddr) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from concurrent.futures import InvalidStateError
 from pathlib import Path
 
 import hivemind
@@ -181,3 +182,34 @@ def test_step_control_cancel_wakes_the_averager_before_the_step_reads_as_cancell
 
 def test_cancel_step_marks_the_step_cancelled_before_it_wakes_the_averager():
     assert _what_the_averager_sees_when_woken(cancel_step) == [True]
+
+
+def test_a_step_cancelled_twice_wakes_the_averager_once_and_raises_nothing():
+    """A step given up at its deadline (finish) and then dropped (the engine) is cancelled twice; hivemind's own
+    ``StepControl.cancel`` raises on the second (its cancel future is set already): it crashed an overlapped peer."""
+    now = time.time()
+    control = StepControl(scheduled_time=now + 60, deadline=now + 120, allow_retries=False, weight=1.0,
+                          data_for_gather=b"")
+    woken: list[None] = []
+
+    class CancelFuture:  # like hivemind's MPFuture: a result can be set once
+        def set_result(self, value):
+            if woken:
+                raise InvalidStateError("Can't set_result to a future that is FINISHED")
+            woken.append(value)
+
+    class Trigger:
+        def cancel(self):
+            return True
+
+    control.attach(Trigger(), CancelFuture())
+    StepControl.cancel(control)
+    with pytest.raises(InvalidStateError):  # what hivemind does on its own
+        StepControl.cancel(control)
+    woken.clear()
+    fresh = StepControl(scheduled_time=now + 60, deadline=now + 120, allow_retries=False, weight=1.0,
+                        data_for_gather=b"")
+    fresh.attach(Trigger(), CancelFuture())
+    cancel_step(fresh)
+    cancel_step(fresh)
+    assert woken == [None] and fresh.cancelled()
