@@ -93,7 +93,7 @@ from template.training.joining import (
 from template.training.model import build_model, place_model
 from template.training.outer import OuterOptimizer, load_into, stand_in_scale
 from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport, Tensors
-from template.training.round_state import InFlight, Stats, Trained
+from template.training.round_state import InFlight, Trained, train_in_chunks
 from template.training.spec import RunMismatchError, RunSpec, fingerprint_of
 
 __all__ = ["DiLoCoPeer", "Progress", "RoundOutcome", "RoundPlan", "RoundReport", "RunMismatchError", "RunSpec"]
@@ -269,22 +269,30 @@ class DiLoCoPeer:
         # With overlap a peer re-syncs after training, when the others have settled round r−1 and are about to land
         # it: at the start of the round they may not have yet (their state would be older than ours), and a peer that
         # re-synced then would miss every round it re-tried. Its round r contribution counts either way: the group
-        # compares the θ the average lands on, not where each member started.
+        # compares the θ the average lands on, not where each member started. A peer out of step lands round r−1
+        # first: when its group applies that average onto the θ this peer holds (they all lost round r−2 alike), it
+        # is in step again, and a state adopted now would throw away a round it took part in.
+        leader, landing = self.node.is_leader, self._in_flight
+        result, applied = None, (False, "")
+        landed_first = landing is not None and leader and self._resync_needed
+        if landed_first:
+            result = landing.result()
+            applied = self._apply(result, trained.base_hash)
+            self._resync_needed = not applied[0]
+            if applied[0]:
+                log.info("round %d landed on the θ this peer holds: in step again", landing.trained.plan.round)
         adopted = self._resync()
-        adopted_ahead = self.round > plan.round  # the adopted state has round r−1's average in it already
-        if adopted_ahead:
+        if adopted_ahead := self.round > plan.round:  # the adopted state has round r−1's average in it already
             self._drop_in_flight(f"adopted a peer state of round {self.round}")
-        landing = self._in_flight
+            landing = None
         # θ is hashed once per change (a pass over θ takes seconds for the 1b preset): training left it as the
         # round's base on the leader unless a re-sync replaced it (other ranks take the leader's θ when they sync)
-        leader = self.node.is_leader
         theta_hash = trained.base_hash if leader and not adopted else self.outer.theta_hash()
-        result, applied = None, (False, "")
-        if landing is not None:
+        if landing is not None and (adopted or not landed_first):
             result = landing.result()
             applied = self._apply(result, theta_hash)
-            if applied[0]:
-                theta_hash = self.outer.theta_hash()
+        if applied[0]:
+            theta_hash = self.outer.theta_hash()
         # round r's all-reduce starts once round r−1's outer step is taken: its group compares the θ that its
         # average will be applied to (a member that missed round r−1's step holds another and will not apply it)
         begun_at = time.time()
@@ -337,8 +345,8 @@ class DiLoCoPeer:
         base_hash = self.outer.theta_hash()
         base = None if plan.contributes else [t.clone() for t in self.outer.params()]
         log.info("round %d starts from θ %s", r, base_hash[:12])
-        stats = self._train(self._rank_batches(list(plan.windows)), plan.max_steps, plan.train_until, r, 0,
-                            plan.max_steps)
+        stats = train_in_chunks(self.inner, self.node, self._rank_batches(list(plan.windows)), plan.max_steps,
+                                plan.train_until, self.on_progress, r)
         trained_at = time.monotonic()
         delta = contribution = None
         if self.averager is not None:
@@ -501,34 +509,6 @@ class DiLoCoPeer:
     def _rank_batches(self, windows: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for input_ids, labels in self.corpus.batches(windows, self.spec.batch_size):
             yield self.node.split(input_ids), self.node.split(labels)
-
-    def _train(self, batches, steps: int, deadline: float | None, r: int, done: int, of_steps: int) -> Stats:
-        """Inner steps in chunks, reporting progress between chunks.
-
-        The leader decides between chunks whether to go on (deadline) and tells the other ranks, so that all
-        ranks of a node always run the same number of DDP steps.
-        """
-        chunk = max(1, min(10, steps))
-        total_steps = total_tokens = 0
-        loss_sum = 0.0
-        seconds = 0.0
-        last_loss = None
-        while total_steps < steps:
-            in_time = deadline is None or time.time() < deadline
-            if not self.node.broadcast_int(int(in_time)):
-                break
-            stats = self.inner.train(batches, min(chunk, steps - total_steps))
-            if stats.steps == 0:
-                break
-            total_steps += stats.steps
-            total_tokens += stats.tokens * self.node.world
-            seconds += stats.seconds
-            loss_sum += (stats.mean_loss or 0.0) * stats.steps
-            last_loss = stats.last_loss
-            if self.on_progress and self.node.is_leader:
-                self.on_progress(Progress(r, done + total_steps, of_steps, last_loss,
-                                          total_tokens / max(seconds, 1e-9)))
-        return Stats(total_steps, total_tokens, loss_sum / total_steps if total_steps else None, seconds)
 
     def _allreduce_deadline(self, start: float, finish_by: float | None) -> float:
         budget = start + self.averaging_config.matchmaking_time + self.averaging_config.allreduce_timeout
