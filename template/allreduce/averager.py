@@ -30,7 +30,8 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
 - A peer whose result is missing *any* part reports ``ok=False`` and its averaging buffers are left untouched: a
   partial result is never returned as success, and no all-reduce is retried after it has started (a retry in a
   new group could give two "successful" peers different averages); a step that failed before any data moved (no
-  group, the leader left) is retried within the deadline.
+  group, the leader left, or every groupmate answered that it is not in the group: hivemind's leader counted in a
+  follower that had left) is retried within the deadline.
 - Every peer that reports ``ok=True`` for the same ``group_id`` holds byte-identical Δ̄. Peers of one group
   can still differ in ``ok`` (an owner died after serving some peers but not others): a peer with ``ok=False``
   must skip the outer step and re-sync its state (:meth:`PseudoGradientAverager.load_state_from_peers`).
@@ -150,6 +151,7 @@ class AveragingResult:
     evidence: AllReduceEvidence = field(default_factory=AllReduceEvidence)  # what this member saw (validators audit)
     inputs: OwnerInputs | None = None  # what it accepted as an owner: served to validators (template.p2p.publication)
     finished_at: float = 0.0  # time.time() when the all-reduce ended in the averager process (0: it never ran)
+    abandoned_groups: list[str] = field(default_factory=list)  # hex ids of groups that never formed (all absent)
 
     @property
     def coverage(self) -> dict[str, float]:
@@ -325,11 +327,11 @@ class PseudoGradientAverager:
         deadline = min(deadline, handle.deadline)
         control = handle.control
         control.allow_allreduce()
+        abandoned: list[str] = []
         while True:
             try:
                 wait = max(deadline - time.time(), 0.0)
                 outcome = control.result(timeout=wait if left_behind is None else min(wait, LEFT_BEHIND_POLL_S))
-                break
             except TimeoutError:
                 why = None
                 if time.time() < deadline and (why := self._left_behind(control, left_behind)) is None:
@@ -341,15 +343,19 @@ class PseudoGradientAverager:
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # whatever the averager process set, CancelledError included
-                # a failure before any data moved (no group, leader left) can be retried within the deadline
-                retry_at = time.time() + self.config.matchmaking_time
-                if handle.cancelled or control.began_allreduce or retry_at >= deadline - self.config.request_timeout:
-                    return self._failure(started, f"{type(e).__name__}: {e}")
-                logger.info("averaging step failed before the all-reduce (%r); looking for a group again", e)
-                control = handle.control = self._step(handle.weight, handle.gather, retry_at, deadline,
-                                                      require_trigger=False)  # what cancel must reach now
+                why = f"{type(e).__name__}: {e}"
+                if control.began_allreduce:
+                    return self._failure(started, why)
+            else:
+                report: AllReduceReport = outcome["report"]
+                if report.formed:
+                    break
+                why = report.failure
+                abandoned.append(report.group_id.hex())
+            # nothing moved (no group, the leader left, or the group never formed): look again within the deadline
+            if (control := self._retry(handle, deadline, why)) is None:
+                return self._failure(started, why)
 
-        report: AllReduceReport = outcome["report"]
         gathered = outcome["gathered"]
         evidence = report.evidence
         evidence.conflicts = confirm_shares(
@@ -382,7 +388,18 @@ class PseudoGradientAverager:
                          if isinstance(data, dict) and isinstance(data.get("commitment"), dict)},
             evidence=evidence,
             finished_at=report.finished_at,
+            abandoned_groups=abandoned,
         )
+
+    def _retry(self, handle: AveragingHandle, deadline: float, why: str) -> StepControl | None:
+        """A new step for ``handle``'s round, whose last step failed before anything moved; None when there is no
+        time left for one or the step was given up."""
+        retry_at = time.time() + self.config.matchmaking_time
+        if handle.cancelled or retry_at >= deadline - self.config.request_timeout:
+            return None
+        logger.info("averaging step ended before anything moved (%s); looking for a group again", why)
+        handle.control = self._step(handle.weight, handle.gather, retry_at, deadline, require_trigger=False)
+        return handle.control  # what cancel must reach now
 
     def finish_in_background(self, handle: AveragingHandle, deadline: float,
                              left_behind: Callable[[], str | None] | None = None) -> Future[AveragingResult]:

@@ -88,6 +88,8 @@ class AllReduceReport:
     failure: str = ""  # "" when every value arrived and the result was written
     inputs: OwnerInputs | None = None  # what we accepted as an owner, kept for validators (None: we own nothing)
     finished_at: float = 0.0  # time.time() when the averager process ended the all-reduce (overlap: it ran unseen)
+    absent: tuple[str, ...] = ()  # members that answered that they are not in this group (template.allreduce.roster)
+    formed: bool = True  # False: every groupmate is absent and none reached us; nothing moved, the round may regroup
 
     @property
     def received_fraction(self) -> float:

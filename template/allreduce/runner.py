@@ -36,6 +36,9 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
   that received it, and last from the owner itself (asked one after the other, each bounded by ``reducer_timeout``).
   Only a share that no groupmate holds leaves its segments failed: the result is partial (``values_failed`` in the
   report), which the averager reports as a failure. Nothing uncertified ever counts.
+- A member that answers "not in this group" (hivemind's leader counted it in after it had stopped waiting for the
+  leader's word) is neither waited for nor asked for shares; when every groupmate does and none reached us, the
+  report says the group never formed (``formed``): nothing moved, and the averager looks for a group again.
 - The all-reduce handler serves members of this group only; anyone else gets ``PROTOCOL_VIOLATION``, and a request
   for another group id, or after the runner finished, is rejected.
 - A member whose gathered data is malformed has no announced weight or commitment: its segments are dropped.
@@ -83,12 +86,17 @@ from template.allreduce.messages import (
 from template.allreduce.owner_inputs import InputKeeper
 from template.allreduce.reduction import OwnerRule, SegmentInput
 from template.allreduce.relay import HeldShares, share_message
+from template.allreduce.roster import GroupRoster
 from template.allreduce.segment_reducer import Contribution, SegmentReducer, SegmentResult
 from template.allreduce.terms import OwnContribution, RoundTerms
 
-__all__ = ["CheckedAllReduceRunner"]
+__all__ = ["CheckedAllReduceRunner", "NotInGroupError"]
 
 logger = logging.getLogger(__name__)
+
+
+class NotInGroupError(AllreduceException):
+    """An owner answered our segments that our group is not one of its groups."""
 
 
 
@@ -135,11 +143,6 @@ class CheckedAllReduceRunner:
         assert len(terms.commitments) == len(self.sender_peer_ids)
         self.is_sender = self.peer_id in self.sender_peer_ids
         assert not self.is_sender or own is not None, "a sender needs its encoded contribution"
-        self.all_senders_started, self.banned_senders, self.banlock = asyncio.Event(), set(), asyncio.Lock()
-        self.active_senders: set[PeerID] = {self.peer_id} if self.is_sender else set()
-        if len(self.active_senders) == len(self.sender_peer_ids):
-            self.all_senders_started.set()
-
         layout = terms.layout
         self.ranges = layout.ranges(self.peer_fractions)
         self.my_index = self.ordered_peer_ids.index(self.peer_id)
@@ -159,11 +162,8 @@ class CheckedAllReduceRunner:
         self.evidence = AllReduceEvidence(senders=tuple(str(p) for p in self.sender_peer_ids),
                                           ranges=tuple(tuple(r) for r in self.ranges))
         self.owns_segments = self.my_range[1] > self.my_range[0]
-        # peers that still have to fetch (and send) this peer's share before it may finish
-        self._unserved = {p for p in self.ordered_peer_ids if p != self.peer_id} if self.owns_segments else set()
-        self._all_served = asyncio.Event()
-        if not self._unserved:
-            self._all_served.set()
+        self.roster = GroupRoster(self.peer_id, self.ordered_peer_ids, self.sender_peer_ids,
+                                  owns_segments=self.owns_segments, on_banned=self.reducer.on_sender_failed)
         keys = [c.key if c is not None else None for c in terms.commitments]
         self.kept = InputKeeper(*self.my_range, layout.count, keys)  # what we accept as an owner, for validators
         self._levels = merkle_levels(own.leaves) if self.is_sender else None  # our tree, for the range proofs
@@ -190,9 +190,10 @@ class CheckedAllReduceRunner:
             await self._recover_missing_shares()
             # stay alive (bounded) until groupmates, auxiliaries included, have fetched this peer's share
             try:
-                await asyncio.wait_for(self._all_served.wait(), timeout=self._patience())
+                await asyncio.wait_for(self.roster.all_served.wait(), timeout=self._patience())
             except asyncio.TimeoutError:
-                logger.warning("%s: peers %s did not fetch this peer's share", self, sorted(map(str, self._unserved)))
+                logger.warning("%s: peers %s did not fetch this peer's share", self,
+                               sorted(map(str, self.roster.unserved)))
             self.finalize()
         except BaseException as e:
             self.finalize(exception=e)
@@ -267,6 +268,8 @@ class CheckedAllReduceRunner:
         max_bytes = codec.max_average_size(self.terms.layout.segment_values)
         async for message in aiter_with_timeout(stream, self.reducer_timeout):
             self.bytes_received += message.ByteSize()
+            if message.code == averaging_pb2.BAD_GROUP_ID and not received:
+                raise NotInGroupError(f"owner {owner} is not in group {self.group_id.hex()}")
             if message.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"replied {averaging_pb2.MessageCode.Name(message.code)}")
             if len(received) == stop - start:
@@ -290,11 +293,13 @@ class CheckedAllReduceRunner:
         """Fetch every share we miss (its owner died, stalled or broke its stream to us) from groupmates that hold it
         whole; only a share that no member holds stays failed. Bounded: ``reducer_timeout`` per groupmate asked."""
         missing = [owner for owner, (start, stop) in enumerate(self.ranges)
-                   if start < stop and not all(self.registered[start:stop])]
+                   if start < stop and not all(self.registered[start:stop])
+                   and self.ordered_peer_ids[owner] not in self.roster.absent]  # nobody holds an absent one's share
         await asyncio.gather(*(self._recover_share(owner) for owner in missing))
 
     async def _recover_share(self, owner: int) -> None:
-        holders = [p for i, p in enumerate(self.ordered_peer_ids) if i not in (owner, self.my_index)]
+        holders = [p for i, p in enumerate(self.ordered_peer_ids)
+                   if i not in (owner, self.my_index) and p not in self.roster.absent]
         random.shuffle(holders)  # spread the relaying over the members that have it
         # the owner last: its reply to us was lost or late, yet it holds its share (in a group of two, or when every
         # other member is gone or frozen, it is the only one that can still give it)
@@ -332,6 +337,8 @@ class CheckedAllReduceRunner:
                 await done_sending.wait()
             await self._receive_share(owner, stream)
         except BaseException as e:
+            if isinstance(e, NotInGroupError):  # hivemind's leader counted it in after it had left (roster)
+                self.roster.not_in_group(peer_id)
             if isinstance(e, (AllreduceException, MessageError, CodecError, ContributionError)):
                 logger.warning("owner %s failed: %s", peer_id, e)
             elif isinstance(e, Exception):
@@ -402,10 +409,7 @@ class CheckedAllReduceRunner:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         sender_index = self.sender_peer_ids.index(remote) if remote in self.sender_peer_ids else None
-        if sender_index is not None:
-            self.active_senders.add(remote)
-            if len(self.active_senders) == len(self.sender_peer_ids):
-                self.all_senders_started.set()
+        self.roster.start(remote)
         try:
             request = await asyncio.wait_for(anext(stream), self.sender_timeout)
             reason_to_reject = self._check_reasons_to_reject(request, context)
@@ -421,14 +425,13 @@ class CheckedAllReduceRunner:
                 self.bytes_sent += reply.ByteSize()
                 yield reply
         except BaseException as e:
-            if sender_index is not None:
-                await self._ban_sender(remote)
+            self.roster.ban(remote)
             if not isinstance(e, Exception):
                 raise  # CancelledError and the like
             logger.warning("serving %s failed (it loses our range): %r", remote, e, exc_info=True)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
         finally:
-            self._mark_served(remote)
+            self.roster.served(remote)
 
     async def _counted(self, stream: AsyncIterator[averaging_pb2.AveragingData]):
         async for message in stream:
@@ -493,7 +496,7 @@ class CheckedAllReduceRunner:
                 yield share_message(self._certificate(sent).pack())
         finally:
             if sender_index is not None and offset != reducer.num_segments:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+                self.roster.ban(self.sender_peer_ids[sender_index])
 
     def _verify_header(self, sender: int, message: averaging_pb2.AveragingData) -> None:
         """The sender's leaves of our range must hash up to the root it signed at matchmaking."""
@@ -561,26 +564,14 @@ class CheckedAllReduceRunner:
         from a frozen validator, lost); after that it counts as gone (dead), and we stop waiting for it."""
         for _ in range(2):
             try:
-                await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
+                await asyncio.wait_for(self.roster.all_started.wait(), self.sender_timeout)
                 return
             except asyncio.TimeoutError:
-                missing = [p for p in self.sender_peer_ids if p not in self.active_senders]
+                missing = self.roster.missing_senders()
                 for peer_id in missing:
-                    await self._ban_sender(peer_id)
+                    self.roster.ban(peer_id)
         for peer_id in missing:
-            self._mark_served(peer_id)
-
-    async def _ban_sender(self, peer_id: PeerID) -> None:
-        """Exclude ``peer_id`` from every segment of our range it has not delivered yet."""
-        async with self.banlock:
-            if peer_id not in self.banned_senders:
-                self.banned_senders.add(peer_id)
-                self.reducer.on_sender_failed(self.sender_peer_ids.index(peer_id))
-
-    def _mark_served(self, peer_id: PeerID) -> None:
-        self._unserved.discard(peer_id)
-        if not self._unserved:
-            self._all_served.set()
+            self.roster.served(peer_id)
 
     # ----------------------------------------------------------------------------------------------- report
 
@@ -597,4 +588,6 @@ class CheckedAllReduceRunner:
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             inputs=self.kept.snapshot() if self.owns_segments else None,
+            absent=tuple(str(p) for p in self.ordered_peer_ids if p in self.roster.absent),
+            formed=self.roster.formed,
         )

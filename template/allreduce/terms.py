@@ -75,7 +75,9 @@ class AllReduceFaults:
     member with that peer id nothing back (a transfer lost on the way: the member must fetch the share elsewhere, the
     owner's relay included). ``relays=False``: serve no share to a groupmate that missed one, not even our own (with
     ``withhold_from``: an owner that withholds its share both ways). ``start_late_s``: open our streams to the other
-    owners this many seconds late (a process that stalled right after its group formed).
+    owners this many seconds late (a process that stalled right after its group formed). ``begin_late_s``: as the
+    leader of this process's first group, tell each follower that the group begins this many seconds late (a leader
+    whose event loop lagged: a follower whose wait for the word ran out has left, yet the leader counts it in).
     """
 
     corrupt_segments: bool = False
@@ -84,12 +86,13 @@ class AllReduceFaults:
     withhold_from: str | None = None  # a member's peer id (base58)
     relays: bool = True
     start_late_s: float = 0.0
+    begin_late_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lie not in (None, "all", "some"):
             raise ValueError("lie must be None, 'all' or 'some'")
-        if self.start_late_s < 0:
-            raise ValueError("start_late_s must be >= 0")
+        if self.start_late_s < 0 or self.begin_late_s < 0:
+            raise ValueError("start_late_s and begin_late_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ The private members, and where they are used:
 
 - ``DecentralizedAverager._aggregate_with_group`` / ``_run_allreduce_inplace_`` (overridden),
   ``._running_groups`` (a group's runner is registered there so that hivemind routes the groupmates'
-  ``rpc_aggregate_part`` calls to it), ``._state_updated`` (wakes state sharing), ``._p2p`` (the averager's libp2p
-  host): :class:`OwnAllReduceHooks`;
+  ``rpc_aggregate_part`` calls to it), ``._pending_groups_registered`` (set when a group registers, cleared while
+  this peer looks for one: what ``rpc_aggregate_part`` waits on for a group it does not know), ``._state_updated``
+  (wakes state sharing), ``._p2p`` (the averager's libp2p host): :class:`OwnAllReduceHooks`;
 - ``DHT._get_visible_maddrs``: :func:`visible_maddrs_coroutine`;
 - ``DHT._inner_pipe`` (the DHT process's end of its request pipe): :class:`DHTSurvivingDeadSenders`;
 - ``P2P._client`` (the p2p daemon's client): :func:`dial`;
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import typing
 from concurrent.futures import InvalidStateError
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
@@ -35,7 +37,9 @@ from typing import Any
 import hivemind
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, anext, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -85,6 +89,34 @@ class OwnAllReduceHooks:
         """Route the groupmates' ``rpc_aggregate_part`` calls for ``group_id`` to ``runner.rpc_aggregate_part``."""
         assert group_id in self._running_groups, f"group {group_id!r} was not registered"
         self._running_groups[group_id].set_result(runner)
+
+    # hivemind derives each handler's wire form from its annotations and recognizes typing's AsyncIterator only
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's routing of a groupmate's segments to our runner for their group, with a bounded wait for a group
+        we do not know yet.
+
+        hivemind waits, unbounded, until *some* group registers here: for a member whose leader's word is still on its
+        way. But a leader whose word came after its follower had stopped waiting counts that follower in while the
+        follower looks for another group; the follower then registers nothing for as long as it looks, and the leader's
+        segments wait there until the leader gives up on it (seen: the round lost for both, 56.1 % received by the
+        leader, the follower looking until its deadline). Here the wait ends after ``next_chunk_timeout`` (a member
+        that late would be dropped as a sender anyway) with ``BAD_GROUP_ID``: the leader learns it is alone in time to
+        look for a group again."""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups:
+            try:
+                await asyncio.wait_for(self._pending_groups_registered.wait(), self.next_chunk_timeout)
+            except asyncio.TimeoutError:
+                pass
+        runner = self._running_groups.get(request.group_id)
+        if runner is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await runner
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     def mark_averaged(self) -> None:
         """The averaged tensors changed: state sharing may serve them (what hivemind does after its all-reduce)."""

@@ -66,6 +66,31 @@ def test_private_running_groups_routes_rpc_aggregate_part_to_the_registered_runn
     assert "self._running_groups" in inspect.getsource(DecentralizedAverager.__init__)
 
 
+def test_private_pending_groups_registered_is_what_a_groupmates_call_waits_on_for_an_unknown_group():
+    """Our ``rpc_aggregate_part`` bounds the wait that hivemind's leaves unbounded: the event must still be cleared
+    while a peer looks for a group and set when any group registers (or leaves), and hivemind's handler must still
+    wait on it; otherwise a follower that left its leader answers too early or too late."""
+    assert "await self._pending_groups_registered.wait()" in inspect.getsource(DecentralizedAverager.rpc_aggregate_part)
+    step = inspect.getsource(DecentralizedAverager._step)
+    assert "self._pending_groups_registered.clear()" in step
+    assert step.index("_pending_groups_registered.clear()") < step.index("AveragingStage.LOOKING_FOR_GROUP")
+    register = inspect.getsource(DecentralizedAverager._register_allreduce_group)
+    assert register.count("self._pending_groups_registered.set()") == 2  # on registering, and on leaving
+    assert "self._pending_groups_registered = asyncio.Event()" in inspect.getsource(DecentralizedAverager._run_internal)
+    assert parameters(DecentralizedAverager.rpc_aggregate_part) == parameters(OwnAllReduceHooks.rpc_aggregate_part)
+
+
+def test_the_handler_hivemind_registers_for_a_groupmates_segments_is_ours():
+    from hivemind.p2p.servicer import ServicerBase
+
+    from template.allreduce.averager_process import CheckedAverager
+
+    # hivemind collects the rpc_* handlers by class attribute lookup (the MRO): the mixin's comes first
+    assert "inspect.getmembers(cls, predicate=inspect.isfunction)" in inspect.getsource(
+        ServicerBase._collect_rpc_handlers)
+    assert CheckedAverager.rpc_aggregate_part is OwnAllReduceHooks.rpc_aggregate_part
+
+
 def test_private_state_updated_wakes_state_sharing():
     assert "self._state_updated" in inspect.getsource(DecentralizedAverager._declare_for_download_periodically)
 
@@ -106,6 +131,7 @@ def test_the_compat_subclass_overrides_exactly_the_two_private_hooks():
 def test_no_other_module_touches_a_private_hivemind_member():
     """Outside the compat module, no code names the private members it wraps."""
     privates = ("_aggregate_with_group", "_run_allreduce_inplace_", "_running_groups", "_state_updated",
+                "_pending_groups_registered",
                 "_get_visible_maddrs", "p2p._client", "AllReduceRunner.__init__", ".all_averagers")
     offenders = []
     for folder in ("template", "neurons", "scripts", "benchmarks"):
