@@ -12,7 +12,9 @@ averagers). Every member's outcome is one JSON line from its lane.
 Reported: all-reduces (groups) and member outcomes; members ``ok``, ``partial`` ("partial all-reduce: …", a lost
 transfer nobody could make good), ``failed`` (any other reason: no group in time, a refused round); groups in which
 members that succeeded hold different bytes (``split``, must be 0); shares a member fetched from a groupmate because
-its owner's transfer was lost (``shares_recovered``: each one a round that used to be lost); seconds per round.
+its owner's transfer was lost (``shares_recovered``: each one a round that used to be lost); groups a member gave
+up because every groupmate said it was not in them (``groups_given_up``: hivemind's leader had counted in a follower
+that left; the round formed again in time); seconds per round.
 """
 
 from __future__ import annotations
@@ -80,11 +82,12 @@ def run_lane(args: argparse.Namespace) -> None:
                                for peer in averagers]
                     results = [future.result(timeout=args.timeout + 30) for future in futures]
                 outcomes = [dict(ok=r.ok, reason=r.reason, recovered=len(r.evidence.recovered), group_id=r.group_id,
+                                 regrouped=len(r.abandoned_groups),
                                  digest=hashlib.sha256(r.averaged[0].numpy().tobytes()).hexdigest() if r.ok else "")
                             for r in results]
             except Exception as err:  # an averager that could not even start is a failed all-reduce too
                 outcomes = [dict(ok=False, reason=f"{type(err).__name__}: {err}", recovered=0, group_id="",
-                                 digest="")] * args.peers
+                                 regrouped=0, digest="")] * args.peers
             finally:
                 for averager in averagers:
                     averager.shutdown()
@@ -149,6 +152,7 @@ def summarize(lines: list[dict], args: argparse.Namespace) -> dict:
         failure_reasons=dict(reasons.most_common(8)),
         split=split,
         shares_recovered=sum(m["recovered"] for m in lines),
+        groups_given_up=sum(m.get("regrouped", 0) for m in lines),  # a follower had left: formed again in time
         round_s_median=median([m["seconds"] for m in lines]) if lines else None,
         round_s_max=max((m["seconds"] for m in lines), default=None),
     )
