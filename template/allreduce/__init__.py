@@ -18,7 +18,7 @@ Modules, from the bottom up:
 - :mod:`~template.allreduce.evidence`: what a member saw, typed (read by the validator's audit);
 - :mod:`~template.allreduce.owner_inputs`: what an owner accepted, kept and served for validators to recompute;
 - :mod:`~template.allreduce.runner`: one group's all-reduce (streams, checks, certificates);
-- :mod:`~template.allreduce.roster`: which groupmates take part in a group's all-reduce, and whether it formed;
+- :mod:`~template.allreduce.roster`: which groupmates take part in a group's all-reduce (absent, banned, served);
 - :mod:`~template.allreduce.relay`: the shares a member holds, relayed to a groupmate that missed one;
 - :mod:`~template.allreduce.averager_process`: hivemind's averager (matchmaking, its process) running our runner;
 - :mod:`~template.allreduce.confirmation`: members compare owners' certificates after the round;

@@ -30,8 +30,9 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
 - A peer whose result is missing *any* part reports ``ok=False`` and its averaging buffers are left untouched: a
   partial result is never returned as success, and no all-reduce is retried after it has started (a retry in a
   new group could give two "successful" peers different averages); a step that failed before any data moved (no
-  group, the leader left, or every groupmate answered that it is not in the group: hivemind's leader counted in a
-  follower that had left) is retried within the deadline.
+  group, the leader left) is retried within the deadline, and so is one whose group no member can complete (what it
+  misses is the share of a member that answered it is not in the group — hivemind's leader counted in a follower
+  that had left — and no groupmate held it).
 - Every peer that reports ``ok=True`` for the same ``group_id`` holds byte-identical Δ̄. Peers of one group
   can still differ in ``ok`` (an owner died after serving some peers but not others): a peer with ``ok=False``
   must skip the outer step and re-sync its state (:meth:`PseudoGradientAverager.load_state_from_peers`).
@@ -151,7 +152,7 @@ class AveragingResult:
     evidence: AllReduceEvidence = field(default_factory=AllReduceEvidence)  # what this member saw (validators audit)
     inputs: OwnerInputs | None = None  # what it accepted as an owner: served to validators (template.p2p.publication)
     finished_at: float = 0.0  # time.time() when the all-reduce ended in the averager process (0: it never ran)
-    abandoned_groups: list[str] = field(default_factory=list)  # hex ids of groups that never formed (all absent)
+    abandoned_groups: list[str] = field(default_factory=list)  # hex ids of groups no member could complete (absent)
 
     @property
     def coverage(self) -> dict[str, float]:
@@ -348,11 +349,11 @@ class PseudoGradientAverager:
                     return self._failure(started, why)
             else:
                 report: AllReduceReport = outcome["report"]
-                if report.formed:
+                if not report.lost_to_absent:
                     break
                 why = report.failure
                 abandoned.append(report.group_id.hex())
-            # nothing moved (no group, the leader left, or the group never formed): look again within the deadline
+            # no group, the leader left, or no member can complete the group: look again within the deadline
             if (control := self._retry(handle, deadline, why)) is None:
                 return self._failure(started, why)
 
@@ -392,12 +393,12 @@ class PseudoGradientAverager:
         )
 
     def _retry(self, handle: AveragingHandle, deadline: float, why: str) -> StepControl | None:
-        """A new step for ``handle``'s round, whose last step failed before anything moved; None when there is no
-        time left for one or the step was given up."""
+        """A new step for ``handle``'s round, whose last step failed before any data moved or in a group that no
+        member can complete; None when there is no time left for one or the step was given up."""
         retry_at = time.time() + self.config.matchmaking_time
         if handle.cancelled or retry_at >= deadline - self.config.request_timeout:
             return None
-        logger.info("averaging step ended before anything moved (%s); looking for a group again", why)
+        logger.info("averaging step failed (%s); looking for a group again", why)
         handle.control = self._step(handle.weight, handle.gather, retry_at, deadline, require_trigger=False)
         return handle.control  # what cancel must reach now
 

@@ -181,7 +181,7 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         # the runners' output, reused every round (allocated in the averager process, on its first all-reduce):
         # all-reduces run one at a time, under the averaged tensors' lock, and a runner writes it only while it runs
         self._runner_output: torch.Tensor | None = None
-        self._late_group: bytes | None = None  # AllReduceFaults.begin_late_s: the first group this process leads
+        self._begun_late = False  # AllReduceFaults.begin_late_s: this process sent its late "begin"
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # hivemind derives each handler's wire form from its annotations and recognizes typing's AsyncIterator only
@@ -194,10 +194,9 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
         async for response in super().rpc_join_group(request, context):
-            if response.code == averaging_pb2.BEGIN_ALLREDUCE and self._faults.begin_late_s:
-                self._late_group = self._late_group or response.group_id
-                if response.group_id == self._late_group:  # AllReduceFaults: a leader whose event loop lagged
-                    await asyncio.sleep(self._faults.begin_late_s)
+            if response.code == averaging_pb2.BEGIN_ALLREDUCE and self._faults.begin_late_s and not self._begun_late:
+                self._begun_late = True  # AllReduceFaults: a leader whose event loop lagged
+                await asyncio.sleep(self._faults.begin_late_s)
             yield response
 
     async def rpc_download_state(
@@ -266,12 +265,12 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         # hivemind would call a partial result a success; we report it as a failure (without raising, so that
         # hivemind neither logs it as a crash nor retries) and leave the buffers untouched. Every registered segment
         # was checked finite when it was decoded: no second pass over the whole vector.
-        if not report.formed:  # no groupmate took part: none may fetch our share now (the round regroups)
-            self._release(runner.held)
-            report.failure = f"no groupmate took part (each of {', '.join(report.absent)} is not in this group)"
-        elif report.values_failed:
+        if report.values_failed:
             report.failure = f"partial all-reduce: received {100.0 * report.received_fraction:.1f}% of the averaged " \
                              "values"
+        if report.lost_to_absent:  # nobody completes this group: it is dropped (no relays) and the round regroups
+            self._release(runner.held)
+            report.failure += f" (the rest is the share of {', '.join(report.absent)}, not in this group)"
         if report.failure:
             logger.warning("all-reduce in group %s failed: %s", group_id.hex(), report.failure)
         else:

@@ -89,7 +89,9 @@ class AllReduceReport:
     inputs: OwnerInputs | None = None  # what we accepted as an owner, kept for validators (None: we own nothing)
     finished_at: float = 0.0  # time.time() when the averager process ended the all-reduce (overlap: it ran unseen)
     absent: tuple[str, ...] = ()  # members that answered that they are not in this group (template.allreduce.roster)
-    formed: bool = True  # False: every groupmate is absent and none reached us; nothing moved, the round may regroup
+    # what failed are only the ranges of absent members, whose shares no groupmate held: no member completes this
+    # group, so the round may look for another (template.allreduce.roster)
+    lost_to_absent: bool = False
 
     @property
     def received_fraction(self) -> float:

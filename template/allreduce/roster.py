@@ -3,9 +3,9 @@
 The runner (:mod:`template.allreduce.runner`) waits on groupmates only while they may still come: a sender that has
 not started within ``sender_timeout`` is banned (left out of our range), a member that has fetched our share no
 longer keeps us alive, and a member that answers our segments "not in this group" (``BAD_GROUP_ID``: hivemind's
-leader counted it in after it had stopped waiting for the leader's word) is neither waited for nor asked for shares.
-When *every* groupmate says so and none ever reached us, the group never formed: nothing of ours went into anyone's
-average and nothing of theirs into ours, so the round may look for a group again (:attr:`GroupRoster.formed`).
+leader counted it in after it had stopped waiting for the leader's word) is *absent*: it is neither waited for nor
+asked for shares, and since it never averaged its range, no member of the group can complete it unless a groupmate
+holds its share (the runner's report says when that is what failed: ``AllReduceReport.lost_to_absent``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ class GroupRoster:
         self.started: set[PeerID] = {me} if me in self.senders else set()
         self.banned: set[PeerID] = set()
         self.absent: set[PeerID] = set()  # said our group is not theirs
-        self.reached_us: set[PeerID] = set()  # called our all-reduce handler
         self.all_started = asyncio.Event()  # every sender started, or is absent
         # peers that still have to fetch (and send) our share before we may finish
         self.unserved = {p for p in self.members if p != me} if owns_segments else set()
@@ -38,7 +37,6 @@ class GroupRoster:
 
     def start(self, peer: PeerID) -> None:
         """``peer`` opened its stream of segments to us."""
-        self.reached_us.add(peer)
         if peer in self.senders:
             self.started.add(peer)
         self._update()
@@ -62,12 +60,6 @@ class GroupRoster:
 
     def missing_senders(self) -> list[PeerID]:
         return [p for p in self.senders if p not in self.started and p not in self.absent]
-
-    @property
-    def formed(self) -> bool:
-        """False when every groupmate said it is not in the group and none reached us: the group never formed."""
-        others = {p for p in self.members if p != self.me}
-        return not others or not (others <= self.absent and not self.reached_us)
 
     def _update(self) -> None:
         if not self.missing_senders():

@@ -37,8 +37,9 @@ What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stal
   Only a share that no groupmate holds leaves its segments failed: the result is partial (``values_failed`` in the
   report), which the averager reports as a failure. Nothing uncertified ever counts.
 - A member that answers "not in this group" (hivemind's leader counted it in after it had stopped waiting for the
-  leader's word) is neither waited for nor asked for shares; when every groupmate does and none reached us, the
-  report says the group never formed (``formed``): nothing moved, and the averager looks for a group again.
+  leader's word) is neither waited for nor asked for shares; when the result misses only the ranges of such members
+  (no groupmate held their shares), no member can complete the group and the report says so (``lost_to_absent``):
+  the averager looks for a group again.
 - The all-reduce handler serves members of this group only; anyone else gets ``PROTOCOL_VIOLATION``, and a request
   for another group id, or after the runner finished, is rejected.
 - A member whose gathered data is malformed has no announced weight or commitment: its segments are dropped.
@@ -293,8 +294,7 @@ class CheckedAllReduceRunner:
         """Fetch every share we miss (its owner died, stalled or broke its stream to us) from groupmates that hold it
         whole; only a share that no member holds stays failed. Bounded: ``reducer_timeout`` per groupmate asked."""
         missing = [owner for owner, (start, stop) in enumerate(self.ranges)
-                   if start < stop and not all(self.registered[start:stop])
-                   and self.ordered_peer_ids[owner] not in self.roster.absent]  # nobody holds an absent one's share
+                   if start < stop and not all(self.registered[start:stop])]
         await asyncio.gather(*(self._recover_share(owner) for owner in missing))
 
     async def _recover_share(self, owner: int) -> None:
@@ -578,10 +578,12 @@ class CheckedAllReduceRunner:
     def report(self) -> AllReduceReport:
         """What this peer can say about the round (its evidence and counters)."""
         layout, reducer = self.terms.layout, self.reducer
+        failed = [k for k in range(layout.count) if not self.registered[k]]
+        absent_ranges = [self.ranges[i] for i, p in enumerate(self.ordered_peer_ids) if p in self.roster.absent]
         return AllReduceReport(
             group_id=self.group_id, evidence=self.evidence,
             values_total=layout.numel,
-            values_failed=sum(layout.numel_of(k) for k in range(layout.count) if not self.registered[k]),
+            values_failed=sum(layout.numel_of(k) for k in failed),
             segments_expected=reducer.num_segments * reducer.num_senders,
             segments_received=reducer.segments_received,
             dropped=list(reducer.dropped), clipped=list(reducer.clipped),
@@ -589,5 +591,5 @@ class CheckedAllReduceRunner:
             bytes_received=self.bytes_received,
             inputs=self.kept.snapshot() if self.owns_segments else None,
             absent=tuple(str(p) for p in self.ordered_peer_ids if p in self.roster.absent),
-            formed=self.roster.formed,
+            lost_to_absent=bool(failed) and all(any(a <= k < b for a, b in absent_ranges) for k in failed),
         )

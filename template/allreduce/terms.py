@@ -75,9 +75,9 @@ class AllReduceFaults:
     member with that peer id nothing back (a transfer lost on the way: the member must fetch the share elsewhere, the
     owner's relay included). ``relays=False``: serve no share to a groupmate that missed one, not even our own (with
     ``withhold_from``: an owner that withholds its share both ways). ``start_late_s``: open our streams to the other
-    owners this many seconds late (a process that stalled right after its group formed). ``begin_late_s``: as the
-    leader of this process's first group, tell each follower that the group begins this many seconds late (a leader
-    whose event loop lagged: a follower whose wait for the word ran out has left, yet the leader counts it in).
+    owners this many seconds late (a process that stalled right after its group formed). ``begin_late_s``: as a
+    leader, send the first "begin" of this process this many seconds late (a leader whose event loop lagged: a
+    follower whose wait for the word ran out has left, yet the leader counts it in; one follower, once).
     """
 
     corrupt_segments: bool = False

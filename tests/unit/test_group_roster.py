@@ -17,24 +17,17 @@ def run(coroutine_function):
     return asyncio.run(coroutine_function())
 
 
-def test_every_groupmate_absent_and_none_reached_us_means_the_group_never_formed():
+def test_an_absent_groupmate_is_banned_served_and_no_longer_waited_for():
     async def scenario():
         roster, banned = make()
         roster.not_in_group("b")
-        assert roster.formed and not roster.all_started.is_set()  # c may still come
+        assert not roster.all_started.is_set()  # c may still come
+        assert roster.missing_senders() == ["c"] and roster.unserved == {"c"}
         roster.not_in_group("c")
-        assert not roster.formed
         assert roster.all_started.is_set() and roster.all_served.is_set()  # nobody left to wait for
         assert sorted(banned) == [1, 2] and roster.absent == {"b", "c"}
-    run(scenario)
-
-
-def test_a_groupmate_that_reached_us_makes_the_group_formed_whatever_it_says_later():
-    async def scenario():
-        roster, banned = make(members=("a", "b"), senders=("a", "b"))
-        roster.start("b")
-        roster.not_in_group("b")
-        assert roster.formed and banned == [1]
+        roster.not_in_group("c")
+        assert sorted(banned) == [1, 2]  # banned once
     run(scenario)
 
 
