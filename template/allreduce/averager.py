@@ -398,7 +398,7 @@ class PseudoGradientAverager:
         retry_at = time.time() + self.config.matchmaking_time
         if handle.cancelled or retry_at >= deadline - self.config.request_timeout:
             return None
-        logger.info("averaging step failed (%s); looking for a group again", why)
+        logger.warning("averaging step failed (%s); looking for a group again", why)
         handle.control = self._step(handle.weight, handle.gather, retry_at, deadline, require_trigger=False)
         return handle.control  # what cancel must reach now
 
