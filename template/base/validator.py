@@ -402,7 +402,8 @@ class Validator:
                              credit=v.gains.credit if v.gains else None,
                              credit_se=v.gains.credit_se if v.gains else None,
                              own_model_gain=v.gains.own_model_gain if v.gains else None,
-                             own_model_se=v.gains.own_model_se if v.gains else None))
+                             own_model_se=v.gains.own_model_se if v.gains else None,
+                             own_model_windows=v.gains.own_model_windows if v.gains else None))
         checked, unchecked = self._audited
         self.ctx.emit("scored", uid=self.ctx.uid, round=round, seconds=seconds, fetch_s=fetch_s, miners=rows,
                       paid=paid, free_scale=self.scorer.last_free_scale, segments_recomputed=checked,

@@ -58,6 +58,7 @@ from template.validation.scoring import (
     free_update,
     mean_update,
     overfit,
+    own_model_unclear,
     paired_edge_z,
     significant_credit,
     update_gains,
@@ -229,7 +230,12 @@ class RoundScorer:
                 continue
             after = update_losses(self.probe, context.theta, c.tensors, scoring, step)
             own_model = update_losses(self.probe, context.theta, c.tensors, scoring[:config.own_model_windows], 1.0)
-            g = gains[c.hotkey] = update_gains(after, own_model, free, scoring)
+            g = update_gains(after, own_model, free, scoring)
+            if own_model_unclear(g, config):  # a larger sample decides
+                more = [*scoring[config.own_model_windows:], *pick][:config.own_model_recheck_windows]
+                own_model |= update_losses(self.probe, context.theta, c.tensors, more, 1.0)
+                g = update_gains(after, own_model, free, scoring)
+            gains[c.hotkey] = g
             if overfit(g, config):
                 reasons[c.hotkey] = (f"its own model θ_r − Δ is worse than θ_r on other data by "
                                      f"{-g.own_model_gain:.3g} ± {g.own_model_se:.2g} nats: overfit or badly trained "

@@ -297,7 +297,8 @@ def test_credit_pays_honest_work_and_nothing_for_the_free_average_however_it_is_
     assert copied.gain > 0.5 * max(h.gain for h in honest) and copied.credit <= 0.1 * copied.gain, copied
     # without a previous average the only free update is θ_r itself: the credit is the raw gain
     bare = free_update(probe, theta, None, pick, scoring, step, config)
-    assert bare.scale == 0.0 and bare.losses == bare.baseline
+    assert bare.scale == 0.0 and bare.losses == {w: bare.baseline[w] for w in scoring}
+    assert set(bare.baseline) == {*scoring, *pick}  # θ_r on every window an own model may be measured on
     raw = measure(deltas["honest-a"], bare)
     assert raw.credit == pytest.approx(raw.gain)
 
@@ -349,6 +350,38 @@ def test_a_round_scores_honest_miners_and_refuses_each_cheater_with_a_reason(tra
     # next round: re-publishing round 0's Δ (own or anyone's) is a replay
     replay = scorer.score(RoundContext(1, theta, h, None, 100, 200), [candidate("stale", 12, a, block=150)])[0]
     assert replay.quality == 0.0 and "replays the Δ of honest-a of round 0" in replay.reason
+
+
+def test_an_own_model_that_the_first_sample_leaves_unclear_is_decided_on_a_larger_one(trained_round):
+    """Between ``own_model_sure_z`` standard errors below θ_r and ``own_model_clear_z`` above it, 16 windows do not
+    decide (the adversarial network's stale miner once landed there, above −2, and was paid): the own model is
+    measured on 48 more unassigned windows and the whole sample decides."""
+    theta, deltas, averaged, _, probe, sampler = trained_round
+    h = "a" * 64
+    candidates = [Candidate(hotkey, uid, deltas[hotkey], h, 105, coverage=1.0)
+                  for uid, hotkey in enumerate(("honest-a", "honest-b", "overfitter"))]
+    context = RoundContext(0, theta, h, averaged, first_block=100, last_block=110)
+
+    def gains(**settings) -> dict[str, UpdateGains]:
+        scorer = RoundScorer(probe, sampler, [t.shape for t in theta], integrity=IntegrityConfig(),
+                             scoring=ScoringConfig(**settings), sketch_seed=5)
+        return {v.hotkey: v.gains for v in scorer.score(context, candidates)}
+
+    config = ScoringConfig()
+    more = config.own_model_windows + config.own_model_recheck_windows
+    first = gains(own_model_recheck_windows=0)
+    for hotkey, g in gains().items():
+        z = first[hotkey].own_model_gain / first[hotkey].own_model_se
+        assert first[hotkey].own_model_windows == config.own_model_windows
+        assert g.own_model_windows == (more if -config.own_model_sure_z < z < config.own_model_clear_z
+                                       else config.own_model_windows), (hotkey, z, g)
+    rechecked = gains(own_model_clear_z=float("inf"))  # every own model is unclear: each is measured on all 64
+    assert all(g.own_model_windows == more for g in rechecked.values())
+    assert rechecked["honest-a"].own_model_gain > 0 and rechecked["honest-b"].own_model_gain > 0
+    assert rechecked["overfitter"].own_model_gain < 0
+    unused = config.eval_windows - config.own_model_windows + config.pick_windows
+    with pytest.raises(ValueError, match="invalid scoring settings"):
+        ScoringConfig(own_model_recheck_windows=unused + 1)
 
 
 def test_partial_miners_do_not_set_the_norm_reference(trained_round):
