@@ -58,6 +58,22 @@ class GroupRoster:
         self.ban(peer)
         self.served(peer)
 
+    async def ban_missing_senders(self, sender_timeout: float) -> None:
+        """Senders that have not started within ``sender_timeout`` are banned. One that comes within another
+        ``sender_timeout`` (a stalled process) still gets our averages from us, not from a relay (measured: one relayed
+        from a frozen validator, lost); after that it counts as gone (dead), and we stop waiting for it."""
+        missing: list[PeerID] = []
+        for _ in range(2):
+            try:
+                await asyncio.wait_for(self.all_started.wait(), sender_timeout)
+                return
+            except asyncio.TimeoutError:
+                missing = self.missing_senders()
+                for peer_id in missing:
+                    self.ban(peer_id)
+        for peer_id in missing:
+            self.served(peer_id)
+
     def missing_senders(self) -> list[PeerID]:
         return [p for p in self.senders if p not in self.started and p not in self.absent]
 

@@ -54,7 +54,8 @@ import asyncio
 import hashlib
 import logging
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
@@ -92,6 +93,8 @@ from template.allreduce.segment_reducer import Contribution, SegmentReducer, Seg
 from template.allreduce.terms import OwnContribution, RoundTerms
 
 __all__ = ["CheckedAllReduceRunner", "NotInGroupError"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +182,7 @@ class CheckedAllReduceRunner:
         failed (see :meth:`report`)."""
         pending_tasks = set()
         if self.owns_segments:
-            pending_tasks.add(asyncio.create_task(self._handle_missing_senders()))
+            pending_tasks.add(asyncio.create_task(self.roster.ban_missing_senders(self.sender_timeout)))
         try:
             owners = [(i, p) for i, p in enumerate(self.ordered_peer_ids) if self.ranges[i][1] > self.ranges[i][0]]
             results = await asyncio.gather(*(self._communicate_with_owner(i, p) for i, p in owners),
@@ -323,19 +326,15 @@ class CheckedAllReduceRunner:
         await self._receive_share(owner, await self._stub(holder).rpc_fetch_share(request))
 
     async def _communicate_with_owner(self, owner: int, peer_id: PeerID) -> None:
-        """Send our segments of ``owner``'s range and register the averages it returns (or serve our own range)."""
+        """Send our segments of ``owner``'s range and register the averages it returns (or serve our own range), by our
+        deadline: a frozen owner keeps its connection open, and a stream to it may never open (seen under load:
+        hivemind then cancelled the whole all-reduce, with no report)."""
         try:
             if peer_id == self.peer_id:  # owners are always senders: auxiliaries own nothing
                 await self._average_own_range()
                 return
-            if self.terms.faults.start_late_s:  # AllReduceFaults: a process that stalled as its group formed
-                await asyncio.sleep(self.terms.faults.start_late_s)
-            done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_owner(owner), done_sending)
-            stream = await self._stub(peer_id).rpc_aggregate_part(inputs)
-            if self.should_delay_results(self.peer_id):
-                await done_sending.wait()
-            await self._receive_share(owner, stream)
+            left = None if self.deadline is None else max(0.0, self.deadline - asyncio.get_event_loop().time())
+            await _bounded(self._exchange_with_owner(owner, peer_id), left, f"no share of owner {owner} by deadline")
         except BaseException as e:
             if isinstance(e, NotInGroupError):  # hivemind's leader counted it in after it had left (roster)
                 self.roster.not_in_group(peer_id)
@@ -345,6 +344,18 @@ class CheckedAllReduceRunner:
                 logger.debug("failed to get averaged segments from %s: %r", peer_id, e, exc_info=True)
             self.evidence.failed_owners[str(peer_id)] = f"{type(e).__name__}: {e}"
             raise
+
+    async def _exchange_with_owner(self, owner: int, peer_id: PeerID) -> None:
+        if self.terms.faults.start_late_s:  # AllReduceFaults: a process that stalled as its group formed
+            await asyncio.sleep(self.terms.faults.start_late_s)
+        done_sending = asyncio.Event()
+        inputs = attach_event_on_finished(self._generate_input_for_owner(owner), done_sending)
+        # opened within our patience, so that a share the owner never sends can still be fetched from a groupmate
+        stream = await _bounded(self._stub(peer_id).rpc_aggregate_part(inputs), self._patience(),
+                                f"owner {owner} did not open our stream in time")
+        if self.should_delay_results(self.peer_id):
+            await done_sending.wait()
+        await self._receive_share(owner, stream)
 
     async def _average_own_range(self) -> None:
         """Our own segments go to our reducer directly; the results are registered like any owner's."""
@@ -558,21 +569,6 @@ class CheckedAllReduceRunner:
         """A member that owns nothing gets its averages only after it finished sending (hivemind's flow control)."""
         return self.peer_fractions[self.ordered_peer_ids.index(peer_id)] == 0
 
-    async def _handle_missing_senders(self) -> None:
-        """Senders that have not started within ``sender_timeout`` are banned. One that comes within another
-        ``sender_timeout`` (a stalled process) still gets our averages from us, not from a relay (measured: one relayed
-        from a frozen validator, lost); after that it counts as gone (dead), and we stop waiting for it."""
-        for _ in range(2):
-            try:
-                await asyncio.wait_for(self.roster.all_started.wait(), self.sender_timeout)
-                return
-            except asyncio.TimeoutError:
-                missing = self.roster.missing_senders()
-                for peer_id in missing:
-                    self.roster.ban(peer_id)
-        for peer_id in missing:
-            self.roster.served(peer_id)
-
     # ----------------------------------------------------------------------------------------------- report
 
     def report(self) -> AllReduceReport:
@@ -593,3 +589,11 @@ class CheckedAllReduceRunner:
             absent=tuple(str(p) for p in self.ordered_peer_ids if p in self.roster.absent),
             lost_to_absent=bool(failed) and all(any(a <= k < b for a, b in absent_ranges) for k in failed),
         )
+
+
+async def _bounded(step: Awaitable[T], timeout: float | None, failure: str) -> T:
+    """``step``'s result within ``timeout`` s (None: no bound), else an ``AllreduceException`` saying ``failure``."""
+    try:
+        return await asyncio.wait_for(step, timeout)
+    except asyncio.TimeoutError:
+        raise AllreduceException(failure) from None

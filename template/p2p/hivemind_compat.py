@@ -29,6 +29,7 @@ import asyncio
 import logging
 import time
 import typing
+from collections.abc import Awaitable, Callable
 from concurrent.futures import InvalidStateError
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
@@ -43,8 +44,8 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
-__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OwnAllReduceHooks", "cancel_step", "check_hivemind_version",
-           "declared_state_priorities", "dial", "visible_maddrs_coroutine"]
+__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OwnAllReduceHooks", "WithdrawalsInBackground", "cancel_step",
+           "check_hivemind_version", "declared_state_priorities", "dial", "visible_maddrs_coroutine"]
 
 HIVEMIND_VERSION = "1.1.12"
 
@@ -118,6 +119,13 @@ class OwnAllReduceHooks:
         async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
+    async def _step(self, **kwargs) -> None:
+        """hivemind's step, whose matchmaking withdraws its declaration in the background (see below)."""
+        manager = self._matchmaking.group_key_manager
+        if not isinstance(manager.declare_averager, WithdrawalsInBackground):
+            manager.declare_averager = WithdrawalsInBackground(manager.declare_averager)
+        await super()._step(**kwargs)
+
     def mark_averaged(self) -> None:
         """The averaged tensors changed: state sharing may serve them (what hivemind does after its all-reduce)."""
         self.last_updated = time.time()
@@ -142,6 +150,38 @@ class OwnAllReduceHooks:
         self._own_reports[group_id] = await self.run_group_allreduce(
             tensors, group_info, group_id, peer_fractions=peer_fractions, weight=weight,
             sender_timeout=sender_timeout, reducer_timeout=reducer_timeout, started=started)
+
+
+class WithdrawalsInBackground:
+    """A group key manager's ``declare_averager`` whose withdrawals (``looking_for_group=False``) run as tasks, while
+    declarations are awaited as before.
+
+    Why: once hivemind's matchmaking has found a group it withdraws its "looking for a group" declaration from the DHT,
+    and only then does the averager register the group and start its all-reduce. That DHT store waits out every frozen
+    or dead node among its replicas (hivemind's 3 s wait timeout, once or twice): with one frozen peer in the network a
+    member registered its group 3.0 or 6.0 s after its groupmates, so they gave up on it ("not in this group") or
+    banned it as a late sender, and the average missed its share (stalled-validator test, 1 run in 8 under load). In
+    the background the caller goes on at once; the declaration expires at the time it named anyway, and a peer that
+    asks to join us meanwhile is refused ("not looking for a group").
+    """
+
+    def __init__(self, declare: Callable[..., Awaitable[bool]]):
+        self._declare = declare
+        self._pending: set[asyncio.Task] = set()  # referenced until done, so that none is collected mid-flight
+
+    async def __call__(self, group_key, peer_id: PeerID, expiration_time: float,
+                       looking_for_group: bool = True) -> bool:
+        if looking_for_group:
+            return await self._declare(group_key, peer_id, expiration_time, looking_for_group=True)
+        task = asyncio.create_task(self._declare(group_key, peer_id, expiration_time, looking_for_group=False))
+        self._pending.add(task)
+        task.add_done_callback(self._finished)
+        return True
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("withdrawing a matchmaking declaration failed: %r", task.exception())
 
 
 class DHTSurvivingDeadSenders(hivemind.DHT):

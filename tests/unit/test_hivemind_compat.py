@@ -6,6 +6,7 @@ Nothing is started: these read hivemind's classes and signatures.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from concurrent.futures import InvalidStateError
@@ -120,10 +121,58 @@ def test_private_p2p_client_connects_to_an_address():
     assert parameters(Client.connect) == ["self", "peer_id", "maddrs"]
 
 
-def test_the_compat_subclass_overrides_exactly_the_two_private_hooks():
+def test_private_step_looks_for_a_group_whose_withdrawal_from_the_dht_comes_before_the_group_registers():
+    """``OwnAllReduceHooks._step`` wraps the group key manager's ``declare_averager`` before hivemind's step runs: the
+    manager must still be ``_matchmaking.group_key_manager``, the withdrawal (``looking_for_group=False``) must still be
+    awaited on the way out of the search, and the search must still end before the group registers."""
+    from hivemind.averaging.key_manager import GroupKeyManager
+    from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+
+    assert parameters(DecentralizedAverager._step) == ["self", "step", "future_for_init"]
+    assert "self._matchmaking = Matchmaking(" in inspect.getsource(DecentralizedAverager._run_internal)
+    assert "self.group_key_manager = GroupKeyManager(" in inspect.getsource(Matchmaking.__init__)
+    assert parameters(GroupKeyManager.declare_averager) == ["self", "group_key", "peer_id", "expiration_time",
+                                                            "looking_for_group"]
+    withdraw = inspect.getsource(PotentialLeaders._declare_averager_periodically)
+    assert "await key_manager.declare_averager(" in withdraw and "looking_for_group=False" in withdraw
+    search = inspect.getsource(PotentialLeaders.begin_search)
+    assert "await cancel_and_wait(declare_averager_task)" in search
+    look = inspect.getsource(Matchmaking.look_for_group)
+    assert "self.potential_leaders.begin_search(" in inspect.getsource(Matchmaking._request_join_potential_leaders)
+    assert "await cancel_and_wait(request_leaders_task)" in look
+    step = inspect.getsource(DecentralizedAverager._step)
+    assert step.index("group_info = await matchmaking_task") < step.index("self._register_allreduce_group(group_info)")
+
+
+def test_a_withdrawal_runs_in_the_background_and_a_declaration_is_awaited():
+    calls: list[tuple[bool, str]] = []
+
+    async def declare(group_key, peer_id, expiration_time, looking_for_group=True) -> bool:
+        calls.append((looking_for_group, "started"))
+        await asyncio.sleep(0.3)  # a DHT store that waits out a frozen node
+        calls.append((looking_for_group, "stored"))
+        return True
+
+    async def scenario() -> tuple[float, float]:
+        wrapped = hivemind_compat.WithdrawalsInBackground(declare)
+        began = time.monotonic()
+        assert await wrapped("key", "peer", 1.0, looking_for_group=False)
+        withdrawal_s = time.monotonic() - began
+        began = time.monotonic()
+        assert await wrapped("key", "peer", 2.0)
+        declaration_s = time.monotonic() - began
+        await asyncio.sleep(0.05)  # the withdrawal, started first, has finished by now
+        return withdrawal_s, declaration_s
+
+    withdrawal_s, declaration_s = asyncio.run(scenario())
+    assert withdrawal_s < 0.1 <= 0.3 <= declaration_s
+    assert sorted(calls) == [(False, "started"), (False, "stored"), (True, "started"), (True, "stored")]
+
+
+def test_the_compat_subclass_overrides_exactly_the_three_private_hooks():
     overridden = {name for name, value in vars(OwnAllReduceHooks).items()
                   if name.startswith("_") and not name.startswith("__") and callable(value)}
-    assert overridden == {"_aggregate_with_group", "_run_allreduce_inplace_"}
+    assert overridden == {"_aggregate_with_group", "_run_allreduce_inplace_", "_step"}
     for name in overridden:
         assert hasattr(DecentralizedAverager, name), name
 
@@ -131,7 +180,7 @@ def test_the_compat_subclass_overrides_exactly_the_two_private_hooks():
 def test_no_other_module_touches_a_private_hivemind_member():
     """Outside the compat module, no code names the private members it wraps."""
     privates = ("_aggregate_with_group", "_run_allreduce_inplace_", "_running_groups", "_state_updated",
-                "_pending_groups_registered",
+                "_pending_groups_registered", "._matchmaking", "group_key_manager",
                 "_get_visible_maddrs", "p2p._client", "AllReduceRunner.__init__", ".all_averagers")
     offenders = []
     for folder in ("template", "neurons", "scripts", "benchmarks"):
