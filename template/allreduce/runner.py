@@ -213,11 +213,12 @@ class CheckedAllReduceRunner:
                 except Exception as inner_exc:
                     logger.debug("task %s failed with %r", task, inner_exc, exc_info=True)
 
+    def _time_left(self) -> float | None:  # seconds until ``deadline`` (None: no deadline)
+        return None if self.deadline is None else max(0.0, self.deadline - asyncio.get_event_loop().time())
+
     def _patience(self) -> float:
         """How long one more wait on a groupmate may take: ``reducer_timeout``, cut to what is left of ``deadline``."""
-        if self.deadline is None:
-            return self.reducer_timeout
-        return max(0.0, min(self.reducer_timeout, self.deadline - asyncio.get_event_loop().time()))
+        return self.reducer_timeout if (left := self._time_left()) is None else min(self.reducer_timeout, left)
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
         self.held.settled = True
@@ -333,8 +334,8 @@ class CheckedAllReduceRunner:
             if peer_id == self.peer_id:  # owners are always senders: auxiliaries own nothing
                 await self._average_own_range()
                 return
-            left = None if self.deadline is None else max(0.0, self.deadline - asyncio.get_event_loop().time())
-            await _bounded(self._exchange_with_owner(owner, peer_id), left, f"no share of owner {owner} by deadline")
+            await _bounded(self._exchange_with_owner(owner, peer_id), self._time_left(),
+                           f"no share of owner {owner} by deadline")
         except BaseException as e:
             if isinstance(e, NotInGroupError):  # hivemind's leader counted it in after it had left (roster)
                 self.roster.not_in_group(peer_id)
