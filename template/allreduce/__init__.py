@@ -3,7 +3,9 @@
 The unit is the *segment*: a fixed-size run of the flat vector of all parameters, encoded once by the run's codec.
 A sender commits to its segments (a hotkey-signed Merkle root), each *owner* (a member that reduces a contiguous
 range of segments) checks every segment against that root before it counts, averages it with the owner's rule and
-sends the same bytes to every member, with a signed certificate; members compare certificates after the round.
+sends the same bytes to every member, with a signed certificate and its claims (projections of the inputs it
+averaged), which every member holds the average against before it counts; members compare certificates after the
+round.
 
 Modules, from the bottom up:
 
@@ -13,6 +15,7 @@ Modules, from the bottom up:
   per-segment statements;
 - :mod:`~template.allreduce.messages`: the wire messages inside hivemind's ``AveragingData``;
 - :mod:`~template.allreduce.reduction`: the owner's rule for one segment (also what validators recompute);
+- :mod:`~template.allreduce.verification`: the owner's claims, and every member's check of each average against them;
 - :mod:`~template.allreduce.segment_reducer`: an owner's segments, reduced as senders deliver them;
 - :mod:`~template.allreduce.terms`: what a group's members agree on (layout, ranges, commitments, test faults);
 - :mod:`~template.allreduce.evidence`: what a member saw, typed (read by the validator's audit);

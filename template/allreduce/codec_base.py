@@ -101,6 +101,17 @@ def _from_half(half: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def fp16_error_norm(decoded: torch.Tensor) -> float:
+    """‖m − decoded‖₂ for the float32 m behind decoded fp16 values: per value half a unit in the last place
+    (2^-11 relative, 2^-25 among the subnormals) plus float32's own rounding; at ±65504 it holds only for an m that
+    was not clamped."""
+    return (2.0**-11 + 2.0**-23) * _norm(decoded) + 2.0**-25 * decoded.numel() ** 0.5
+
+
+def _norm(values: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(values, dtype=torch.float64))
+
+
 def _bit_pack(codes: torch.Tensor, width: int) -> bytes:
     """Unsigned ``codes`` (< 2**width, width ≤ 16), ``width`` bits each, little-endian by bit, zero-padded."""
     as_bytes = codes.numpy().astype("<u2").view(np.uint8).reshape(-1, 2)
@@ -143,6 +154,9 @@ class SegmentCodec(ABC):
     error_feedback: bool = False
     feedback_decay: float = 1.0  # β: a sender's residual counts β× in its next contribution (error_feedback only)
     mean_of_kept: bool = False  # an owner averages each value over the senders that kept it (nonzero), not all
+    # random directions the in-round check of an average uses (template.allreduce.verification): enough that a
+    # negated average slips through with probability ~1e-6 or less; coarser rounding needs more
+    check_directions: int = 2
 
     @property
     def settings(self) -> Any:
@@ -171,6 +185,13 @@ class SegmentCodec(ABC):
     def max_average_size(self, numel: int) -> int:
         """The most bytes ``encode_average`` of ``numel`` values can take (a receiver's bound)."""
         return self.encoded_size(numel)
+
+    @abstractmethod
+    def average_error_norm(self, decoded: torch.Tensor) -> float:
+        """A bound on ‖m − decoded‖₂, where ``decoded`` is ``decode_average(encode_average(m))`` of a float32 mean
+        ``m``, computed from ``decoded`` alone (what a member holds): the rounding that the in-round check of an
+        owner's average (:mod:`template.allreduce.verification`) allows. Per value the codec's rounding bound ε_j;
+        this is ‖ε‖₂, summed by the triangle inequality where ε_j has several terms."""
 
     def __repr__(self) -> str:
         extra = f", {self.settings}" if self.settings is not None else ""
@@ -205,6 +226,9 @@ class RawCodec(DenseCodec):
     def encoded_size(self, numel: int) -> int:
         return 4 * numel
 
+    def average_error_norm(self, decoded: torch.Tensor) -> float:
+        return 2.0**-23 * _norm(decoded)  # the float32 mean is sent as is: only its own rounding
+
 
 class Fp16Codec(DenseCodec):
     """``fp16``: IEEE half; finite overflow clamped to ±65504, ±inf and NaN kept."""
@@ -222,12 +246,16 @@ class Fp16Codec(DenseCodec):
     def encoded_size(self, numel: int) -> int:
         return 2 * numel
 
+    def average_error_norm(self, decoded: torch.Tensor) -> float:
+        return fp16_error_norm(decoded)
+
 
 class Int8Codec(DenseCodec):
     """``int8``: ``float32 scales[ceil(n/256)] | int8 codes[n]``, per-block absmax (bound: s/2 per value)."""
 
     name = "int8"
     granularity = INT8_BLOCK
+    check_directions = 4  # its rounding (s/2) lets one direction miss a negated average ~4 % of the time
 
     def encode(self, values: torch.Tensor) -> bytes:
         values = _check_values(values, self.segment_values)
@@ -261,6 +289,17 @@ class Int8Codec(DenseCodec):
 
     def encoded_size(self, numel: int) -> int:
         return 4 * -(-numel // INT8_BLOCK) + numel
+
+    def average_error_norm(self, decoded: torch.Tensor) -> float:
+        """s/2 per value (plus float32's rounding of the quotient and of the mean): a block's largest |value|
+        decodes to 127·s exactly (its code is ±127), so each block's s is read back from the decoded block."""
+        numel = decoded.numel()
+        padding = -numel % INT8_BLOCK
+        blocks = torch.nn.functional.pad(decoded, (0, padding)).view(-1, INT8_BLOCK).abs().amax(dim=1)
+        sizes = torch.full_like(blocks, INT8_BLOCK)
+        sizes[-1:] -= padding
+        scales = blocks.double() / 127
+        return (0.5 + 2.0**-16) * float((scales.square() * sizes).sum().sqrt()) + 2.0**-23 * _norm(decoded)
 
 
 # --------------------------------------------------------------------------------------------------- sparse

@@ -28,6 +28,7 @@ class SegmentRecord:
     included: tuple[int, ...]  # sender indices whose contribution the average holds
     digest: bytes  # sha256 of the averaged segment's encoded bytes
     refusals: tuple[Refusal, ...] = ()  # senders refused with proof (their own signed statement of other bytes)
+    refuted: str = ""  # why the average missed the owner's claims: dropped (zeros in θ's step), by every member alike
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class AllReduceEvidence:
             for sender in record.included:
                 included[sender] += 1
         return {peer: (included[s] / count if count else 0.0) for s, peer in enumerate(self.senders)}
+
+    def refuted(self) -> dict[int, str]:
+        """Segment -> why its average was dropped in the round (template.allreduce.verification)."""
+        return {segment: record.refuted for segment, record in self.segments.items() if record.refuted}
 
     @property
     def segment_count(self) -> int:

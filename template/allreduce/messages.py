@@ -8,9 +8,10 @@ Sender → owner, on one stream per owner:
 
 Owner → every member (senders and auxiliary validators alike), the same bytes to all:
 
-- one :class:`AveragedSegment` per segment: the encoded average, which senders it includes, their total weight, and
-  the *proven* refusals — a sender whose bytes did not match its committed leaf, with the sender's own signature of
-  the digest it did send;
+- one :class:`AveragedSegment` per segment: the encoded average, which senders it includes, their total weight, the
+  *proven* refusals — a sender whose bytes did not match its committed leaf, with the sender's own signature of
+  the digest it did send — and the owner's claims, which every member holds the average against
+  (:mod:`template.allreduce.verification`);
 - a final :class:`ShareCertificate`: the owner's signature over the digest of every averaged segment it sent and of
   the commitments it checked against, so that two members who received different bytes, or an owner that averaged
   against other roots, hold conflicting signed statements (the confirmation in :mod:`template.allreduce.averager`).
@@ -36,6 +37,7 @@ import msgpack
 from template.allreduce.contribution import DIGEST_BYTES
 
 MAX_SIGNATURE_BYTES = 128
+MAX_CLAIMS = 8  # projections per sender in an averaged segment (template.allreduce.verification uses 4)
 _CERTIFICATE = b"diloco/share-certificate/v1\x00"
 
 
@@ -119,17 +121,25 @@ class AveragedSegment:
     included: tuple[int, ...]  # sender indices, increasing
     weight: float
     refusals: tuple[Refusal, ...]
+    # per included sender, the owner's projections of its input (template.allreduce.verification); () for a codec
+    # whose segments are not checked in the round
+    claims: tuple[tuple[float, ...], ...] = ()
 
     def pack(self, senders: int) -> bytes:
         mask = sum(1 << s for s in self.included).to_bytes((senders + 7) // 8, "little")
         refusals = [[r.sender, r.leaf, r.signature] for r in self.refusals]
-        return _pack(dict(data=self.data, included=mask, weight=float(self.weight), refusals=refusals))
+        return _pack(dict(data=self.data, included=mask, weight=float(self.weight), refusals=refusals,
+                          claims=[list(c) for c in self.claims]))
 
     @classmethod
     def unpack(cls, data: bytes, max_bytes: int, senders: int) -> AveragedSegment:
-        document = _unpack(data, ("data", "included", "weight", "refusals"), "averaged segment",
-                           max_bytes + senders * (DIGEST_BYTES + MAX_SIGNATURE_BYTES + 16) + 64)
+        document = _unpack(data, ("data", "included", "weight", "refusals", "claims"), "averaged segment",
+                           max_bytes + senders * (DIGEST_BYTES + MAX_SIGNATURE_BYTES + 16 + 9 * MAX_CLAIMS) + 64)
         mask, weight, refusals = document["included"], document["weight"], document["refusals"]
+        claims = document["claims"]
+        if not isinstance(claims, list) or len(claims) > senders or not all(
+                isinstance(c, list) and len(c) <= MAX_CLAIMS and all(isinstance(p, float) for p in c) for c in claims):
+            raise MessageError(f"an averaged segment's claims are at most {MAX_CLAIMS} floats per sender")
         if not isinstance(document["data"], bytes) or not isinstance(mask, bytes) or len(mask) != (senders + 7) // 8:
             raise MessageError("an averaged segment's data and inclusion mask must be bytes of the right size")
         if not isinstance(weight, float) or not isinstance(refusals, list) or len(refusals) > senders:
@@ -143,7 +153,8 @@ class AveragedSegment:
                     and isinstance(item[1], bytes) and len(item[1]) == DIGEST_BYTES):
                 raise MessageError("a refusal is [sender index, 32-byte leaf, signature]")
             parsed.append(Refusal(item[0], item[1], _signature(item[2], "a refusal's signature")))
-        return cls(document["data"], tuple(s for s in range(senders) if bits >> s & 1), weight, tuple(parsed))
+        return cls(document["data"], tuple(s for s in range(senders) if bits >> s & 1), weight, tuple(parsed),
+                   tuple(tuple(c) for c in claims))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ Given the contributions that reached the owner for one segment (already checked 
    about what honest training does without ever touching honest work;
 4. takes the weighted mean, accumulated in float64 in a fixed order (the senders' order in the group), and encodes
    it once with the codec's ``encode_average``. For a codec whose ``mean_of_kept`` is set (``sparse`` by default),
-   each value is the mean over the senders that kept it (nonzero) rather than over all of them.
+   each value is the mean over the senders that kept it (nonzero) rather than over all of them;
+5. for an owner in the round, projects every input it averaged (as averaged: bounded, clip factor applied) on
+   random directions drawn from the averaged bytes: the *claims* every member holds the average against
+   (:mod:`template.allreduce.verification`; not for ``mean_of_kept`` codecs).
 
 Every step is deterministic, so the same inputs give the same bytes on any machine: the owner sends those bytes to
 every member (all members hold bit-identical Δ̄), and a validator holding every contributor's publication recomputes
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from template.allreduce.codecs import CodecError, SegmentCodec, all_finite
+from template.allreduce.verification import claims, directions
 
 # A sender's weight (tokens) counts at most this many times the lower median of the group's announced weights.
 WEIGHT_CAP_MULTIPLE = 4.0
@@ -72,6 +76,7 @@ class ReducedSegment:
     dropped: tuple[tuple[int, str], ...]  # (sender, why) for contributions that did not count
     clipped: tuple[tuple[int, float], ...]  # (sender, factor) for contributions whose norm was clipped
     bounded: tuple[tuple[int, int], ...] = ()  # (sender, how many of its values) for contributions clamped in step 3
+    claims: tuple[tuple[float, ...], ...] = ()  # per included sender, step 5 (empty when not asked for)
 
 
 class NoValidContribution(ValueError):
@@ -117,9 +122,11 @@ def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float], fact
 
 
 def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCodec,
-                   announced: Sequence[float | None], rule: OwnerRule, cap: float) -> ReducedSegment:
+                   announced: Sequence[float | None], rule: OwnerRule, cap: float,
+                   claims_context: bytes | None = None) -> ReducedSegment:
     """The owner's rule (module docstring). ``announced[s]`` is sender s's weight from matchmaking (None when its
-    announcement was malformed); raises NoValidContribution when nothing counts."""
+    announcement was malformed); raises NoValidContribution when nothing counts. With ``claims_context``
+    (:func:`template.allreduce.verification.segment_context`) the owner's claims are made too (step 5)."""
     valid: list[tuple[int, torch.Tensor, float]] = []
     dropped: list[tuple[int, str]] = []
     for item in sorted(inputs, key=lambda i: i.sender):
@@ -150,8 +157,11 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
     values, bounded = _bounded_values([v for _, v, _ in valid], factors, rule.value_bound_multiple)
     total = sum(weight for _, _, weight in valid)
     mean = weighted_mean(values, [w for _, _, w in valid], factors, mean_of_kept=codec.mean_of_kept).to(torch.float32)
-    return ReducedSegment(codec.encode_average(mean), tuple(s for s, _, _ in valid), total, tuple(dropped),
-                          tuple(clipped), tuple((valid[i][0], count) for i, count in bounded))
+    data = codec.encode_average(mean)
+    made = () if claims_context is None or codec.mean_of_kept else claims(
+        values, factors, directions(claims_context, data, numel, codec.check_directions))
+    return ReducedSegment(data, tuple(s for s, _, _ in valid), total, tuple(dropped), tuple(clipped),
+                          tuple((valid[i][0], count) for i, count in bounded), made)
 
 
 def _bounded_values(values: list[torch.Tensor], factors: list[float],

@@ -13,15 +13,16 @@ fractions. :class:`CheckedAllReduceRunner`
   leaf *before* it reaches the :class:`~template.allreduce.segment_reducer.SegmentReducer`; a segment whose bytes do
   not match is left out of that segment's average and refused — with the sender's own signature as proof when the
   sender signed those bytes, silently otherwise; every member receives the same averaged segments (their bytes, the
-  senders included, the proven refusals), and finally a :class:`~template.allreduce.messages.ShareCertificate`
-  in which the owner signs the digest of everything it sent;
-- decodes what every owner returns into the output vector; a share counts only once the owner's certificate over
-  exactly its bytes verifies; keeps each verified share as received (:mod:`template.allreduce.relay`) to relay it
-  to a groupmate that missed it, and fetches any share it missed itself from a groupmate that holds it (the
-  certificate proves the relayed bytes are the owner's); keeps an audit of the round
-  (:meth:`CheckedAllReduceRunner.report`): who was included in which segment, the proven refusals, the digest of
-  every averaged segment and every owner's signed certificate, for the confirmation between members and for
-  validators.
+  senders included, the proven refusals, its claims), and finally a :class:`~template.allreduce.messages.
+  ShareCertificate` in which the owner signs the digest of everything it sent;
+- decodes what every owner returns into the output vector — as zeros where the average misses the owner's own
+  claims (:mod:`template.allreduce.verification`: every member reaches the same verdict from the same bytes); a
+  share counts only once the owner's certificate over exactly its bytes verifies; keeps each verified share as
+  received (:mod:`template.allreduce.relay`) to relay it to a groupmate that missed it, and fetches any share it
+  missed itself from a groupmate that holds it (the certificate proves the relayed bytes are the owner's); keeps an
+  audit of the round (:meth:`CheckedAllReduceRunner.report`): who was included in which segment, the proven
+  refusals, which segments were dropped and why, the digest of every averaged segment and every owner's signed
+  certificate, for the confirmation between members and for validators.
 
 What is guaranteed when a peer disappears mid-round (SIGKILL, network loss, stall) or misbehaves:
 
@@ -64,7 +65,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter, attach_event_on_finished
 
-from template.allreduce.codecs import CodecError, all_finite
+from template.allreduce.codecs import CodecError
 from template.allreduce.contribution import (
     ContributionError,
     leaf_digest,
@@ -89,8 +90,9 @@ from template.allreduce.owner_inputs import InputKeeper
 from template.allreduce.reduction import OwnerRule, SegmentInput
 from template.allreduce.relay import HeldShares, share_message
 from template.allreduce.roster import GroupRoster
-from template.allreduce.segment_reducer import Contribution, SegmentReducer, SegmentResult
+from template.allreduce.segment_reducer import Contribution, SegmentReducer
 from template.allreduce.terms import OwnContribution, RoundTerms
+from template.allreduce.verification import SegmentCheck, round_context, segment_context
 
 __all__ = ["CheckedAllReduceRunner", "NotInGroupError"]
 
@@ -152,9 +154,13 @@ class CheckedAllReduceRunner:
         self.my_index = self.ordered_peer_ids.index(self.peer_id)
         self.my_range = self.ranges[self.my_index]
         weight_by_peer = dict(zip(self.ordered_peer_ids, announced_weights, strict=True))
+        context = round_context(terms.scope, terms.round, group_id)
         self.reducer = SegmentReducer([layout.numel_of(k) for k in range(*self.my_range)],
                                       [str(p) for p in self.sender_peer_ids],
-                                      [weight_by_peer[p] for p in self.sender_peer_ids], terms.codec, rule)
+                                      [weight_by_peer[p] for p in self.sender_peer_ids], terms.codec, rule,
+                                      [segment_context(context, k) for k in range(*self.my_range)])
+        self.check = SegmentCheck(terms.codec, context, [None if w is None else min(w, self.reducer.weight_cap)
+                                                         for w in self.reducer.announced_weights])
         # ``output``: where the averages go (the averager lends the same buffer every round: a fresh 40 MB block for
         # 10M values costs ~17 ms of page faults). Never zeroed: only a registered segment is ever read, and the
         # averager copies the output only when every segment is.
@@ -239,11 +245,12 @@ class CheckedAllReduceRunner:
             raise AllreduceException(f"{decoded.numel()} values for segment {segment} of {stop - start}")
         self.output[start:stop] = decoded
 
-    def _register(self, owner: int, segment: int, averaged: AveragedSegment) -> None:
-        """A segment whose average is written and verified: it counts, and is recorded as evidence."""
+    def _register(self, owner: int, segment: int, averaged: AveragedSegment, refuted: str) -> None:
+        """A segment whose average is written and certified: it counts, and is recorded as evidence."""
         self.registered[segment] = True
         self.evidence.segments[segment] = SegmentRecord(owner, tuple(averaged.included),
-                                                        hashlib.sha256(averaged.data).digest(), averaged.refusals)
+                                                        hashlib.sha256(averaged.data).digest(), averaged.refusals,
+                                                        refuted)
 
     def _check_certificate(self, owner: int, certificate: ShareCertificate, received: list[bytes]) -> None:
         """The owner's signature must cover exactly the packed segments we received, and our commitments."""
@@ -279,18 +286,16 @@ class CheckedAllReduceRunner:
                 raise AllreduceException(f"replied {averaging_pb2.MessageCode.Name(message.code)}")
             if len(received) == stop - start:
                 self._check_certificate(owner, ShareCertificate.unpack(message.tensor_part.buffer), received)
-                for segment, averaged in pending:
-                    self._register(owner, segment, averaged)
+                for segment, averaged, refuted in pending:
+                    self._register(owner, segment, averaged, refuted)
                 self.held.shares[owner] = (tuple(received), message.tensor_part.buffer)
                 return
             segment = start + len(received)
             averaged = AveragedSegment.unpack(message.tensor_part.buffer, max_bytes, len(self.sender_peer_ids))
-            decoded = await asyncio.get_event_loop().run_in_executor(
-                None, codec.decode_average, averaged.data, self.terms.layout.numel_of(segment))
-            if not all_finite(decoded):
-                raise AllreduceException(f"owner {owner}'s average is not finite")
-            self._write(segment, decoded)
-            pending.append((segment, averaged))
+            values, refuted = await asyncio.get_event_loop().run_in_executor(
+                None, self.check.admit, owner, segment, averaged, self.terms.layout.numel_of(segment))
+            self._write(segment, values)
+            pending.append((segment, averaged, refuted))
             received.append(message.tensor_part.buffer)  # the certificate covers exactly these bytes
         raise AllreduceException(f"{len(received)} of {stop - start} segments of owner {owner} and no certificate")
 
@@ -368,11 +373,12 @@ class CheckedAllReduceRunner:
             self.kept.keep(sender, segment, self.own.segments[segment])
             contribution = Contribution(sender, SegmentInput(sender, self.own.segments[segment], self.weight))
             result = await self.reducer.accumulate(contribution, offset)
-            averaged = self._as_sent_to(self.my_index, result)
-            decoded = result.decoded if averaged is result.averaged else self.terms.codec.decode_average(
-                averaged.data, result.decoded.numel())
-            self._write(segment, decoded)
-            self._register(self.my_index, segment, averaged)
+            averaged = self.terms.told(self.my_index, result.averaged, result.decoded)
+            values, refuted = await asyncio.get_event_loop().run_in_executor(
+                None, self.check.admit, self.my_index, segment, averaged, result.decoded.numel(),
+                result.decoded if averaged is result.averaged else None)
+            self._write(segment, values)
+            self._register(self.my_index, segment, averaged, refuted)
             sent.append(averaged.pack(len(self.sender_peer_ids)))
         certificate = self._certificate(sent)
         self.evidence.certificates[self.my_index] = OwnerCertificate(certificate.digest, certificate.commitments,
@@ -498,7 +504,7 @@ class CheckedAllReduceRunner:
                         excluded = True
                 if excluded:  # an auxiliary's messages are placeholders; so are a banned sender's from now on
                     result = await reducer.result(offset)
-                averaged = self._as_sent_to(receiver, result)
+                averaged = self.terms.told(receiver, result.averaged, result.decoded)
                 packed = averaged.pack(len(self.sender_peer_ids))
                 sent.append(packed)
                 offset += 1
@@ -547,15 +553,6 @@ class CheckedAllReduceRunner:
     def _framed_sender(self) -> int | None:
         others = [s for s, p in enumerate(self.sender_peer_ids) if p != self.peer_id]
         return others[0] if others else None
-
-    def _as_sent_to(self, receiver: int, result: SegmentResult) -> AveragedSegment:
-        """What this owner sends ``receiver`` (AllReduceFaults.lie: a negated average, to all members — itself too,
-        a consistent liar — or to every other one)."""
-        lie = self.terms.faults.lie
-        if lie is None or (lie == "some" and receiver % 2 == 0):
-            return result.averaged
-        wrong = self.terms.codec.encode_average(-result.decoded)
-        return AveragedSegment(wrong, result.averaged.included, result.averaged.weight, result.averaged.refusals)
 
     def _check_reasons_to_reject(self, request, context) -> averaging_pb2.AveragingData | None:
         if request.group_id != self.group_id:

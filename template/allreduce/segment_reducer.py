@@ -5,9 +5,9 @@ Protocol part: in a butterfly all-reduce each reducing peer *owns* a contiguous 
 its signed root before handing it here). For each owned segment, :class:`SegmentReducer` waits for every live
 sender, then applies the owner's rule (:func:`template.allreduce.reduction.reduce_segment`: drop what does not decode,
 is not finite or carries another weight than announced; clip norms to a multiple of the lower median; cap weights;
-bound single values to a multiple of the lower median of the senders' largest; float64 weighted mean; encode once),
-and hands out the same :class:`~template.allreduce.messages.AveragedSegment` — with the senders it includes and the
-refusals it can prove — for every member of the group.
+bound single values to a multiple of the lower median of the senders' largest; float64 weighted mean; encode once;
+the claims), and hands out the same :class:`~template.allreduce.messages.AveragedSegment` — with the senders it
+includes, the refusals it can prove and its claims — for every member of the group.
 
 What is guaranteed when a sender disappears or misbehaves:
 
@@ -71,8 +71,12 @@ class SegmentReducer:
         announced_weights: Sequence[float | None],
         codec: SegmentCodec,
         rule: OwnerRule,
+        claims_contexts: Sequence[bytes] | None = None,
     ):
+        """``claims_contexts``: per segment, what its claims are drawn from (None: no claims, as in tests of the
+        rule alone)."""
         self.segment_numels, self.num_segments = tuple(segment_numels), len(segment_numels)
+        self.claims_contexts = claims_contexts
         self.sender_names, self.num_senders = tuple(sender_names), len(sender_names)
         self.announced_weights, self.codec, self.rule = tuple(announced_weights), codec, rule
         # the same for every owner (everyone sees the same announced weights), so every segment is weighted alike
@@ -163,7 +167,8 @@ class SegmentReducer:
         refusals = tuple(c.refusal for c in contributions if c.refusal is not None)
         try:
             reduced = reduce_segment(inputs, self.segment_numels[segment], self.codec, self.announced_weights,
-                                     self.rule, self.weight_cap)
+                                     self.rule, self.weight_cap,
+                                     None if self.claims_contexts is None else self.claims_contexts[segment])
         except NoValidContribution:
             raise AllreduceException("no valid contribution") from None
         for sender, reason in reduced.dropped:
@@ -178,7 +183,8 @@ class SegmentReducer:
         decoded = self.codec.decode_average(reduced.data, self.segment_numels[segment])
         if not all_finite(decoded):
             raise AllreduceException("the average is not finite")
-        return SegmentResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals), decoded)
+        return SegmentResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals,
+                                             reduced.claims), decoded)
 
     def finalize(self) -> None:
         if self.finished.is_set():

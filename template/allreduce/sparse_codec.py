@@ -33,6 +33,7 @@ from template.allreduce.codec_base import (
     _le_bytes,
     _read,
     _to_half,
+    fp16_error_norm,
 )
 
 SPARSE_QUANTIZERS = ("signmag", "uniform")
@@ -232,6 +233,9 @@ class SparseCodec(SegmentCodec):
         return b"".join((bytes([_TAG_SPARSE]), _le_bytes(counts, "<u2"),
                          _bit_pack(positions % self._settings.chunk, self._settings.index_bits),
                          _le_bytes(half[positions], "<f2")))
+
+    def average_error_norm(self, decoded: torch.Tensor) -> float:
+        return fp16_error_norm(decoded)  # both forms carry the fp16-rounded mean
 
     def decode_average(self, data: bytes, numel: int) -> torch.Tensor:
         data = _check_request(data, numel, self.segment_values)

@@ -7,9 +7,12 @@ checked. :class:`AllReduceFaults` holds the misbehaviours of the adversarial tes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from template.allreduce.codecs import SegmentCodec
 from template.allreduce.contribution import (
@@ -21,6 +24,7 @@ from template.allreduce.contribution import (
     segment_count,
     statement_bytes,
 )
+from template.allreduce.messages import AveragedSegment
 
 __all__ = ["AllReduceFaults", "OwnContribution", "RoundTerms", "SegmentLayout"]
 
@@ -113,6 +117,14 @@ class RoundTerms:
         data = bytes(b ^ 0x01 for b in own.segments[segment][:64]) + own.segments[segment][64:]
         statement = statement_bytes(self.scope, self.round, segment, leaf_digest(data))
         return data, self.signer.sign(statement) if self.signer is not None else b""
+
+    def told(self, receiver: int, averaged: AveragedSegment, decoded: torch.Tensor) -> AveragedSegment:
+        """What an owner sends ``receiver`` (AllReduceFaults.lie: the negated average, with the claims of the true
+        one, to all members — itself too, a consistent liar — or to every other one)."""
+        lie = self.faults.lie
+        if lie is None or (lie == "some" and receiver % 2 == 0):
+            return averaged
+        return dataclasses.replace(averaged, data=self.codec.encode_average(-decoded))
 
     @property
     def commitments_digest(self) -> bytes:

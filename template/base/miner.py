@@ -186,7 +186,9 @@ class Miner:
         self.telemetry.log(fields, step=report.round)
         print("\r\033[K" + (f"round {report.round}: steps {report.inner_steps}, loss {report.train_loss}, "
                             f"held-out {report.heldout_loss}, all-reduce {'ok' if report.allreduce_ok else 'FAILED'} "
-                            f"(group {report.group_size}, {report.allreduce_s:.1f}s), θ {report.theta_hash[:12]}"),
+                            f"(group {report.group_size}, {report.allreduce_s:.1f}s"
+                            + (f", {report.segments_refuted} segments dropped: wrong average" if report.segments_refuted
+                               else "") + f"), θ {report.theta_hash[:12]}"),
               file=sys.stderr, flush=True)
         log.info("round report %s", fields)
 

@@ -401,6 +401,7 @@ class DiLoCoPeer:
             round_s=landing.round_s if landing is not None else time.monotonic() - round_started,
             inner_s=trained.stats.seconds, bytes_sent=result.bytes_sent if result else 0,
             theta_hash=theta_hash if theta_hash is not None else self.outer.theta_hash(), allreduce_wait_s=wait_s,
+            segments_refuted=len(result.evidence.refuted()) if result else 0,
         )
         return RoundOutcome(report, trained.base, trained.delta, averaged, result, trained.contribution,
                             handle.commitment if handle is not None else None)

@@ -67,6 +67,7 @@ class RoundReport:
     theta_hash: str  # of θ after the round: equal on every peer that took the step
     allreduce_wait_s: float = 0.0  # of allreduce_s, how long training stood still for it (overlap: the rest ran
     # while the next round trained)
+    segments_refuted: int = 0  # averaged segments that missed their owner's claims: no step there, on every member
 
 
 @dataclass(frozen=True)

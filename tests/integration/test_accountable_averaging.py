@@ -15,7 +15,8 @@ they served them, the liar took 96 % of the weight beside a twofaced miner).
 Judged after 7 scored rounds (6 paid: the validator's first is not, as it does not hold the previous average yet):
 the honest miners hold ≥ 95 % of the weight together and none has less than half the honest average; every attacker
 gets ≤ 1 %; the validator convicts each attacker with a reason resting on what the attacker signed, and never an
-honest miner (counted over ≥ 20 honest scored rows); every honest miner ends every round on the same θ.
+honest miner (counted over ≥ 20 honest scored rows); every honest miner ends every round on the same θ, having
+dropped the liar's averages in the round (template/allreduce/verification.py).
 """
 
 from __future__ import annotations
@@ -96,3 +97,15 @@ def test_honest_miners_end_every_round_on_the_same_theta(network):
     common = sorted(set.intersection(*(set(h) for h in hashes)))
     assert len(common) >= SETTINGS.judged_rounds, hashes
     assert all(len({h[r] for h in hashes}) == 1 for r in common), [(r, [h[r] for h in hashes]) for r in common]
+
+
+@pytest.mark.timeout(900)
+def test_the_liars_averages_are_dropped_in_the_round_by_every_honest_miner_alike(network):
+    """The liar-reducer's negated averages miss its own claims: every honest miner drops the same number of segments
+    in every round (zeros: nothing of the lie reaches θ), and the liar owns segments in most rounds (all 7 of 7 in the
+    run of 2026-12-05)."""
+    dropped = [{e["round"]: e["segments_refuted"] for e in network["rounds"][name] if e["allreduce_ok"]}
+               for name in HONEST]
+    common = sorted(set.intersection(*(set(d) for d in dropped)))
+    assert all(len({d[r] for d in dropped}) == 1 for r in common), dropped
+    assert sum(1 for r in common if dropped[0][r] > 0) >= len(common) // 2 >= 3, dropped

@@ -249,10 +249,12 @@ def test_auxiliary_peer_receives_the_same_average(dhts):
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owner(dhts, codec, lie):
     """Two contributors and an auxiliary (the validator's view). Honest owners: the validator recomputes every
-    averaged segment bit for bit from the contributions (what the publications carry) and convicts nobody. An owner
-    that returns the negated average to every member: the members agree on the wrong bytes (they cannot check an
-    average), and the recomputation convicts that owner. An owner that lies to only some: the members' signed
-    certificates conflict, every member refuses the round (θ unchanged, never a mix) and the owner is convicted.
+    averaged segment bit for bit from the contributions (what the publications carry) and convicts nobody, and no
+    member drops a segment. An owner that returns the negated average to every member: every member finds that it
+    misses the owner's own claims and drops each of its segments alike — every member, the liar and the auxiliary
+    included, holds the correct average with the liar's segments zero (nothing of the lie reaches θ) — and the
+    recomputation convicts that owner. An owner that lies to only some: the members' signed certificates conflict,
+    every member refuses the round (θ unchanged, never a mix) and the owner is convicted.
     (This test found auxiliaries computing other segment ranges than the senders: template/allreduce/averager.py.)"""
     config = fast_config(compression=codec)
     configs = [config, config, dataclasses.replace(config, auxiliary=True)]
@@ -276,11 +278,24 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
         return
     assert all(r.ok for r in results) and len({digest(r.averaged) for r in results}) == 1, [r.reason for r in results]
     assert outcome.segments_checked == segments and outcome.segments_unchecked == 0, outcome
+    expected = weighted_mean(deltas, WEIGHTS[:2])
     if lie is None:
         assert outcome.accused == {} and outcome.framed == {}, outcome
-        assert max_error(validator.averaged, weighted_mean(deltas, WEIGHTS[:2])) <= codec_tolerance(codec, deltas)
-    else:
-        assert set(outcome.accused) == {ids[1]} and "wrong average" in outcome.accused[ids[1]], outcome
+        assert all(r.evidence.refuted() == {} for r in results), [r.evidence.refuted() for r in results]
+        assert max_error(validator.averaged, expected) <= codec_tolerance(codec, deltas)
+        return
+    assert set(outcome.accused) == {ids[1]} and "wrong average" in outcome.accused[ids[1]], outcome
+    liar = list(validator.group).index(ids[1])
+    owned_by_liar = sorted(k for k, record in validator.evidence.segments.items() if record.owner == liar)
+    assert owned_by_liar, validator.evidence.ranges
+    flat = torch.cat([t.reshape(-1) for t in expected])
+    for k in owned_by_liar:
+        flat[k * SEGMENT_VALUES:(k + 1) * SEGMENT_VALUES] = 0.0
+    for result in results:
+        assert sorted(result.evidence.refuted()) == owned_by_liar, result.evidence.refuted()
+        assert all("claims" in why for why in result.evidence.refuted().values())
+        dropped = [t.reshape(shape) for t, shape in zip(flat.split([s.numel() for s in SHAPES]), SHAPES, strict=True)]
+        assert max_error(result.averaged, dropped) <= codec_tolerance(codec, deltas)
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,136 @@
+"""In-round verification of every averaged segment before it reaches θ (DESIGN.md §12 item 1): each member drops an
+owner's average that does not match what the owner itself claims to have averaged.
+
+Why: a member cannot recompute an owner's average (it does not hold the other senders' segments), so an owner that
+sent every member the same wrong average was convicted by validators after the round, with its wrong segments
+already in every member's θ. Here the owner commits, inside the signed averaged segment, to a cheap fingerprint of
+its inputs that every member can hold the average against.
+
+How: with each averaged segment the owner sends, for each sender it included and each of a few random ±1
+directions z (``codec.check_directions``), the *claim* ``c_i = f_i · ⟨x_i, z⟩``: the projection of that sender's
+input as the owner's rule used it (``x_i`` after the value bound, ``f_i`` its norm-clip factor; :func:`claims`). The
+owner's float64 mean ``m = Σ w_i f_i x_i / W`` then satisfies ``⟨m, z⟩ = Σ (w_i / W) c_i``, and every member checks
+that ``⟨a, z⟩`` — ``a`` the average it decoded — equals that sum up to the codec's rounding (:class:`SegmentCheck`).
+z comes from the round, the segment and the digest of the averaged bytes (:func:`directions`), so it exists only
+once the average is fixed, and is the same for every member: the same bytes give every member the same verdict, and
+a refuted segment is written as zeros (no outer step for it) by every member alike — θ stays identical everywhere,
+never a mix.
+
+Tolerance: ``a − m`` is the codec's rounding, ε_j per value, with ‖ε‖₂ at most ``codec.average_error_norm(a)``
+(plus :data:`ERROR_FLOOR` per value for float64 arithmetic). For random signs Hoeffding's inequality gives
+``P(|⟨a − m, z⟩| > t·‖ε‖₂) ≤ 2·exp(−t²/2)``: with t = :data:`TOLERANCE_SIGMAS` = 8, below 3e-14 per direction for
+an honest average. A negated average misses by ``2·|⟨m, z⟩|``, about 2‖m‖₂: for fp16 ~500 times the tolerance
+(8·2^-11·‖m‖₂), so one direction lets it through with probability ~0.2 % and two with ~2.5e-6; for int8 (rounding
+up to s/2, ~1/85 of a block's typical value) one misses ~4 % of the time, four ~3e-6.
+
+An average the codec had to clamp (fp16 beyond ±65504, possible only with the sparse codec's float32-scaled
+contributions) is not the mean either and is refuted like a wrong one; no honest pseudo-gradient comes near it.
+
+What it does not catch (docs/validation.md, "known limits"): an owner that lies in its claims as well — its own
+input's claim, which no other member can check, can absorb any lie; validators still convict it afterwards by
+recomputing the segment — and codecs that average each value over the senders that kept it (``mean_of_kept``, the
+sparse codec's default), whose per-value weights members do not hold: their segments carry no claims and are not
+checked in the round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from template.allreduce.codecs import CodecError, SegmentCodec, all_finite
+from template.allreduce.messages import AveragedSegment
+
+__all__ = ["SegmentCheck", "claims", "directions", "projections", "round_context", "segment_context"]
+
+logger = logging.getLogger(__name__)
+
+TOLERANCE_SIGMAS = 8.0  # Hoeffding: an honest average fails with probability < 2·exp(−32) per direction
+ERROR_FLOOR = 2.0**-30  # per value: float64 summation error, far below any codec's rounding of a useful value
+_DOMAIN = b"diloco/segment-check/v1\x00"
+
+
+def round_context(scope: str, round: int, group_id: bytes) -> bytes:
+    """What every member of one all-reduce derives the directions from, besides the segment and its bytes."""
+    return hashlib.sha256(_DOMAIN + scope.encode() + b"\x00" + round.to_bytes(8, "little", signed=True)
+                          + group_id).digest()
+
+
+def segment_context(context: bytes, segment: int) -> bytes:
+    return context + segment.to_bytes(8, "little")
+
+
+def directions(context: bytes, data: bytes, numel: int, count: int) -> np.ndarray:
+    """``count`` × ``numel`` random bits b (float64 0/1; the direction is z = 2b − 1) from ``context``
+    (:func:`segment_context`) and the averaged bytes. SHAKE-256 is the generator: the same bits on every machine and
+    library version."""
+    seed = hashlib.sha256(context + hashlib.sha256(data).digest()).digest()
+    row = -(-numel // 8)
+    bits = np.frombuffer(hashlib.shake_256(seed).digest(count * row), dtype=np.uint8).reshape(count, row)
+    return np.unpackbits(bits, axis=1, count=numel).astype(np.float64)
+
+
+def projections(vectors: Sequence[torch.Tensor], bits: np.ndarray) -> np.ndarray:
+    """⟨v, z⟩ for each vector and direction (len(vectors) × len(bits)), in float64: 2⟨v, b⟩ − Σv, one product with
+    the bits as they come (the ±1 form would cost two more passes over them)."""
+    matrix = np.stack([v.numpy() for v in vectors]).astype(np.float64)
+    return 2.0 * (matrix @ bits.T) - matrix.sum(axis=1, keepdims=True)
+
+
+def claims(values: Sequence[torch.Tensor], factors: Sequence[float],
+           bits: np.ndarray) -> tuple[tuple[float, ...], ...]:
+    """The owner's claims: per input (as its rule used it: ``values`` bounded, ``factors`` the norm clip), its
+    projections on the directions of ``bits`` (:func:`directions`)."""
+    return tuple(tuple(float(p) * factor for p in row)
+                 for row, factor in zip(projections(values, bits), factors, strict=True))
+
+
+class SegmentCheck:
+    """A member's check of each averaged segment against the owner's claims (module docstring)."""
+
+    def __init__(self, codec: SegmentCodec, context: bytes, weights: Sequence[float | None]):
+        """``weights``: per sender (group order), the weight an owner counts it with — the announced weight, capped
+        (:func:`template.allreduce.reduction.weight_cap`); None for a sender whose announcement was malformed."""
+        self.codec, self.context, self.weights = codec, context, tuple(weights)
+
+    def admit(self, owner: int, segment: int, averaged: AveragedSegment, numel: int,
+              decoded: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+        """What a member writes for ``owner``'s averaged segment (decoded here unless ``decoded`` is given): its values,
+        or zeros when they miss the owner's claims, and why; CodecError for an average that is not finite (the
+        share fails: it is fetched from a groupmate, if any). Runs in a worker thread."""
+        if decoded is None:
+            decoded = self.codec.decode_average(averaged.data, numel)
+        if not all_finite(decoded):
+            raise CodecError(f"owner {owner}'s average is not finite")
+        if refuted := self.refutation(segment, averaged, decoded):
+            logger.warning("owner %d's segment %d is dropped by every member: %s", owner, segment, refuted)
+            return torch.zeros_like(decoded), refuted
+        return decoded, ""
+
+    def refutation(self, segment: int, averaged: AveragedSegment, decoded: torch.Tensor) -> str:
+        """Why ``averaged`` (decoded: ``decoded``) cannot be the owner's mean of the inputs it claims; "" when it
+        can, or when the codec's segments carry no claims."""
+        if self.codec.mean_of_kept:
+            return ""
+        count = self.codec.check_directions
+        if len(averaged.claims) != len(averaged.included) or any(len(c) != count for c in averaged.claims):
+            return "the average came without the owner's claims"
+        weights = [self.weights[s] for s in averaged.included]
+        if any(w is None or not w > 0 for w in weights):
+            return "the average includes a sender that has no weight"
+        total = math.fsum(weights)
+        bits = directions(segment_context(self.context, segment), averaged.data, decoded.numel(), count)
+        expected = [math.fsum(w / total * c[k] for w, c in zip(weights, averaged.claims, strict=True))
+                    for k in range(count)]
+        actual = projections([decoded], bits)[0]
+        rounding = self.codec.average_error_norm(decoded) + ERROR_FLOOR * decoded.numel() ** 0.5
+        tolerance = TOLERANCE_SIGMAS * rounding
+        gap = max(abs(float(a) - e) for a, e in zip(actual, expected, strict=True))
+        if not gap <= tolerance:  # NaN claims fail too
+            return f"the average misses the owner's own claims by {gap:.3g} (rounding allows {tolerance:.3g})"
+        return ""
