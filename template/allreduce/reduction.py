@@ -31,6 +31,7 @@ contribution that never crosses the wire. Nothing here knows about hivemind or n
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -159,7 +160,7 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
     mean = weighted_mean(values, [w for _, _, w in valid], factors, mean_of_kept=codec.mean_of_kept).to(torch.float32)
     data = codec.encode_average(mean)
     made = () if claims_context is None or codec.mean_of_kept else claims(
-        values, factors, directions(claims_context, data, numel, codec.check_directions))
+        values, factors, directions(claims_context, hashlib.sha256(data).digest(), numel, codec.check_directions))
     return ReducedSegment(data, tuple(s for s, _, _ in valid), total, tuple(dropped), tuple(clipped),
                           tuple((valid[i][0], count) for i, count in bounded), made)
 

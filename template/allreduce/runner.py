@@ -92,7 +92,7 @@ from template.allreduce.relay import HeldShares, share_message
 from template.allreduce.roster import GroupRoster
 from template.allreduce.segment_reducer import Contribution, SegmentReducer
 from template.allreduce.terms import OwnContribution, RoundTerms
-from template.allreduce.verification import SegmentCheck, round_context, segment_context
+from template.allreduce.verification import Admitted, SegmentCheck, round_context, segment_context
 
 __all__ = ["CheckedAllReduceRunner", "NotInGroupError"]
 
@@ -245,12 +245,11 @@ class CheckedAllReduceRunner:
             raise AllreduceException(f"{decoded.numel()} values for segment {segment} of {stop - start}")
         self.output[start:stop] = decoded
 
-    def _register(self, owner: int, segment: int, averaged: AveragedSegment, refuted: str) -> None:
+    def _register(self, owner: int, segment: int, averaged: AveragedSegment, admitted: Admitted) -> None:
         """A segment whose average is written and certified: it counts, and is recorded as evidence."""
         self.registered[segment] = True
-        self.evidence.segments[segment] = SegmentRecord(owner, tuple(averaged.included),
-                                                        hashlib.sha256(averaged.data).digest(), averaged.refusals,
-                                                        refuted)
+        self.evidence.segments[segment] = SegmentRecord(owner, tuple(averaged.included), admitted.digest,
+                                                        averaged.refusals, admitted.refuted)
 
     def _check_certificate(self, owner: int, certificate: ShareCertificate, received: list[bytes]) -> None:
         """The owner's signature must cover exactly the packed segments we received, and our commitments."""
@@ -286,16 +285,16 @@ class CheckedAllReduceRunner:
                 raise AllreduceException(f"replied {averaging_pb2.MessageCode.Name(message.code)}")
             if len(received) == stop - start:
                 self._check_certificate(owner, ShareCertificate.unpack(message.tensor_part.buffer), received)
-                for segment, averaged, refuted in pending:
-                    self._register(owner, segment, averaged, refuted)
+                for segment, averaged, admitted in pending:
+                    self._register(owner, segment, averaged, admitted)
                 self.held.shares[owner] = (tuple(received), message.tensor_part.buffer)
                 return
             segment = start + len(received)
             averaged = AveragedSegment.unpack(message.tensor_part.buffer, max_bytes, len(self.sender_peer_ids))
-            values, refuted = await asyncio.get_event_loop().run_in_executor(
+            admitted = await asyncio.get_event_loop().run_in_executor(
                 None, self.check.admit, owner, segment, averaged, self.terms.layout.numel_of(segment))
-            self._write(segment, values)
-            pending.append((segment, averaged, refuted))
+            self._write(segment, admitted.values)
+            pending.append((segment, averaged, admitted))
             received.append(message.tensor_part.buffer)  # the certificate covers exactly these bytes
         raise AllreduceException(f"{len(received)} of {stop - start} segments of owner {owner} and no certificate")
 
@@ -374,11 +373,11 @@ class CheckedAllReduceRunner:
             contribution = Contribution(sender, SegmentInput(sender, self.own.segments[segment], self.weight))
             result = await self.reducer.accumulate(contribution, offset)
             averaged = self.terms.told(self.my_index, result.averaged, result.decoded)
-            values, refuted = await asyncio.get_event_loop().run_in_executor(
+            admitted = await asyncio.get_event_loop().run_in_executor(
                 None, self.check.admit, self.my_index, segment, averaged, result.decoded.numel(),
                 result.decoded if averaged is result.averaged else None)
-            self._write(segment, values)
-            self._register(self.my_index, segment, averaged, refuted)
+            self._write(segment, admitted.values)
+            self._register(self.my_index, segment, averaged, admitted)
             sent.append(averaged.pack(len(self.sender_peer_ids)))
         certificate = self._certificate(sent)
         self.evidence.certificates[self.my_index] = OwnerCertificate(certificate.digest, certificate.commitments,

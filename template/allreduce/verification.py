@@ -17,11 +17,11 @@ a refuted segment is written as zeros (no outer step for it) by every member ali
 never a mix.
 
 Tolerance: ``a − m`` is the codec's rounding, ε_j per value, with ‖ε‖₂ at most ``codec.average_error_norm(a)``
-(plus :data:`ERROR_FLOOR` per value for float64 arithmetic). For random signs Hoeffding's inequality gives
-``P(|⟨a − m, z⟩| > t·‖ε‖₂) ≤ 2·exp(−t²/2)``: with t = :data:`TOLERANCE_SIGMAS` = 8, below 3e-14 per direction for
-an honest average. A negated average misses by ``2·|⟨m, z⟩|``, about 2‖m‖₂: for fp16 ~500 times the tolerance
-(8·2^-11·‖m‖₂), so one direction lets it through with probability ~0.2 % and two with ~2.5e-6; for int8 (rounding
-up to s/2, ~1/85 of a block's typical value) one misses ~4 % of the time, four ~3e-6.
+(plus :data:`ERROR_FLOOR` per value for the float64 arithmetic of the projections). For random signs Hoeffding's
+inequality gives ``P(|⟨a − m, z⟩| > t·‖ε‖₂) ≤ 2·exp(−t²/2)``: with t = :data:`TOLERANCE_SIGMAS` = 8, below 3e-14
+per direction for an honest average. A negated average misses by ``2·|⟨m, z⟩|``, about 2‖m‖₂: for fp16 ~500
+times the tolerance (8·2^-11·‖m‖₂), so one direction lets it through with probability ~0.2 % and two with ~2.5e-6;
+for int8 (rounding up to s/2, ~1/85 of a block's typical value) one misses ~4 % of the time, four ~3e-6.
 
 An average the codec had to clamp (fp16 beyond ±65504, possible only with the sparse codec's float32-scaled
 contributions) is not the mean either and is refuted like a wrong one; no honest pseudo-gradient comes near it.
@@ -39,6 +39,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,12 +47,14 @@ import torch
 from template.allreduce.codecs import CodecError, SegmentCodec, all_finite
 from template.allreduce.messages import AveragedSegment
 
-__all__ = ["SegmentCheck", "claims", "directions", "projections", "round_context", "segment_context"]
+__all__ = ["Admitted", "SegmentCheck", "claims", "directions", "projections", "round_context", "segment_context"]
 
 logger = logging.getLogger(__name__)
 
 TOLERANCE_SIGMAS = 8.0  # Hoeffding: an honest average fails with probability < 2·exp(−32) per direction
-ERROR_FLOOR = 2.0**-30  # per value: float64 summation error, far below any codec's rounding of a useful value
+# per value, added to the codec's rounding: the float64 error of the projections, even summed in the worst order,
+# stays below it for inputs up to ~10 in magnitude (pseudo-gradient values are ~1e-3); far below fp16's rounding
+ERROR_FLOOR = 2.0**-24
 _DOMAIN = b"diloco/segment-check/v1\x00"
 
 
@@ -65,11 +68,11 @@ def segment_context(context: bytes, segment: int) -> bytes:
     return context + segment.to_bytes(8, "little")
 
 
-def directions(context: bytes, data: bytes, numel: int, count: int) -> np.ndarray:
+def directions(context: bytes, digest: bytes, numel: int, count: int) -> np.ndarray:
     """``count`` × ``numel`` random bits b (float64 0/1; the direction is z = 2b − 1) from ``context``
-    (:func:`segment_context`) and the averaged bytes. SHAKE-256 is the generator: the same bits on every machine and
-    library version."""
-    seed = hashlib.sha256(context + hashlib.sha256(data).digest()).digest()
+    (:func:`segment_context`) and ``digest``, the sha256 of the averaged bytes. SHAKE-256 is the generator: the same
+    bits on every machine and library version."""
+    seed = hashlib.sha256(context + digest).digest()
     row = -(-numel // 8)
     bits = np.frombuffer(hashlib.shake_256(seed).digest(count * row), dtype=np.uint8).reshape(count, row)
     return np.unpackbits(bits, axis=1, count=numel).astype(np.float64)
@@ -90,6 +93,15 @@ def claims(values: Sequence[torch.Tensor], factors: Sequence[float],
                  for row, factor in zip(projections(values, bits), factors, strict=True))
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """What a member makes of one averaged segment."""
+
+    values: torch.Tensor  # what it writes: the decoded average, or zeros when refuted
+    refuted: str  # why the average missed the owner's claims ("" when it did not)
+    digest: bytes  # sha256 of the averaged bytes (the evidence's, and the directions' seed)
+
+
 class SegmentCheck:
     """A member's check of each averaged segment against the owner's claims (module docstring)."""
 
@@ -99,22 +111,23 @@ class SegmentCheck:
         self.codec, self.context, self.weights = codec, context, tuple(weights)
 
     def admit(self, owner: int, segment: int, averaged: AveragedSegment, numel: int,
-              decoded: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-        """What a member writes for ``owner``'s averaged segment (decoded here unless ``decoded`` is given): its values,
-        or zeros when they miss the owner's claims, and why; CodecError for an average that is not finite (the
-        share fails: it is fetched from a groupmate, if any). Runs in a worker thread."""
+              decoded: torch.Tensor | None = None) -> Admitted:
+        """What a member makes of ``owner``'s averaged segment (decoded here unless ``decoded`` is given);
+        CodecError for an average that is not finite (the share fails: it is fetched from a groupmate, if any).
+        Runs in a worker thread."""
         if decoded is None:
             decoded = self.codec.decode_average(averaged.data, numel)
         if not all_finite(decoded):
             raise CodecError(f"owner {owner}'s average is not finite")
-        if refuted := self.refutation(segment, averaged, decoded):
+        digest = hashlib.sha256(averaged.data).digest()
+        if refuted := self.refutation(segment, averaged, decoded, digest):
             logger.warning("owner %d's segment %d is dropped by every member: %s", owner, segment, refuted)
-            return torch.zeros_like(decoded), refuted
-        return decoded, ""
+            return Admitted(torch.zeros_like(decoded), refuted, digest)
+        return Admitted(decoded, "", digest)
 
-    def refutation(self, segment: int, averaged: AveragedSegment, decoded: torch.Tensor) -> str:
-        """Why ``averaged`` (decoded: ``decoded``) cannot be the owner's mean of the inputs it claims; "" when it
-        can, or when the codec's segments carry no claims."""
+    def refutation(self, segment: int, averaged: AveragedSegment, decoded: torch.Tensor, digest: bytes) -> str:
+        """Why ``averaged`` (decoded: ``decoded``; ``digest``: sha256 of its bytes) cannot be the owner's mean of the
+        inputs it claims; "" when it can, or when the codec's segments carry no claims."""
         if self.codec.mean_of_kept:
             return ""
         count = self.codec.check_directions
@@ -124,7 +137,7 @@ class SegmentCheck:
         if any(w is None or not w > 0 for w in weights):
             return "the average includes a sender that has no weight"
         total = math.fsum(weights)
-        bits = directions(segment_context(self.context, segment), averaged.data, decoded.numel(), count)
+        bits = directions(segment_context(self.context, segment), digest, decoded.numel(), count)
         expected = [math.fsum(w / total * c[k] for w, c in zip(weights, averaged.claims, strict=True))
                     for k in range(count)]
         actual = projections([decoded], bits)[0]
