@@ -37,7 +37,7 @@ import msgpack
 from template.allreduce.contribution import DIGEST_BYTES
 
 MAX_SIGNATURE_BYTES = 128
-MAX_CLAIMS = 8  # projections per sender in an averaged segment (template.allreduce.verification uses 4)
+MAX_CLAIMS = 8  # projections per sender in an averaged segment (verification uses 2, 4 for int8)
 _CERTIFICATE = b"diloco/share-certificate/v1\x00"
 
 
