@@ -578,3 +578,4 @@ class DiLoCoPeer:
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
+        self.inner.model = self.model  # drops the node's DDP wrapper, which must be gone before close_node_group

@@ -13,6 +13,7 @@ On failure: a rank that dies makes the others fail in their next collective (tor
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import os
 from dataclasses import dataclass
@@ -97,5 +98,13 @@ def init_node_group(timeout_s: float = 300.0) -> NodeGroup:
 
 
 def close_node_group(group: NodeGroup) -> None:
+    """Leave the process group; call it after the peer's ``shutdown`` (which drops its DDP wrapper).
+
+    A ``DistributedDataParallel`` still alive when the group is destroyed keeps gloo's threads alive until the
+    interpreter exits, where their destruction aborts the process ("terminate called without an active exception",
+    SIGABRT). The wrapper sits in reference cycles, hence the collection. Measured on two-rank torchrun runs (gloo):
+    6 of 20 aborted with the wrapper alive, 2 of 30 with it dropped but not collected, 0 of 60 dropped and collected.
+    """
     if group.distributed and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

@@ -154,7 +154,7 @@ def test_a_two_rank_torchrun_miner_trains_with_a_single_process_miner(tmp_path):
     with MockChainServer(mock, seconds_per_block=SECONDS_PER_BLOCK) as server:
         try:
             for name, launcher in launchers.items():
-                command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "2")[1:]
+                command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "3")[1:]
                 miners[name] = start_process([*launcher, *command], tmp_path / f"{name}.log", env)
             for name, process in miners.items():
                 assert process.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
@@ -165,8 +165,12 @@ def test_a_two_rank_torchrun_miner_trains_with_a_single_process_miner(tmp_path):
     assert next(e for e in node if e["event"] == "ready")["ranks"] == 2
     node_rounds = {e["round"]: e for e in node if e["event"] == "round"}
     single_rounds = {e["round"]: e for e in single if e["event"] == "round"}
-    assert len(node_rounds) == 2 and set(node_rounds) == set(single_rounds)
-    for r, report in node_rounds.items():
+    # torchrun's start takes longer: when a round boundary falls between the two "ready"s, the first to be ready runs
+    # its first round alone (seen in 1 of 4 runs, 2026-12-06) and the other its last; every other round is common
+    common = sorted(set(node_rounds) & set(single_rounds))
+    assert len(node_rounds) == len(single_rounds) == 3 and len(common) >= 2, (node_rounds, single_rounds)
+    for r in common:
+        report = node_rounds[r]
         assert report["allreduce_ok"] and single_rounds[r]["allreduce_ok"] and report["group_size"] == 2
         assert report["theta_hash"] == single_rounds[r]["theta_hash"]
         assert report["tokens"] == single_rounds[r]["tokens"]  # the node's two ranks each trained half of each batch
