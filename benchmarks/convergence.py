@@ -87,7 +87,7 @@ from template.allreduce.codecs import (
     encode_segments,
     encode_with_feedback,
 )
-from template.allreduce.reduction import weighted_mean
+from template.allreduce.reduction import kept_weight, weighted_mean
 
 log = logging.getLogger("benchmarks.convergence")
 
@@ -228,7 +228,8 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
             contribution_bytes = sum(len(segment) for segment in segments)
             decoded.append(contribution)
             weights.append(float(stats.tokens))
-        mean = weighted_mean(decoded, weights, mean_of_kept=codec.mean_of_kept).to(torch.float32)
+        kept = kept_weight(decoded, weights) if codec.mean_of_kept else None
+        mean = weighted_mean(decoded, weights, kept=kept).to(torch.float32)
         averaged_segments, averaged = encode_segments(codec, mean, average=True)
         averaged_bytes.append(sum(len(segment) for segment in averaged_segments))
         if arm.overlap == "blocking":

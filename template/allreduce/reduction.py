@@ -21,7 +21,9 @@ Given the contributions that reached the owner for one segment (already checked 
    each value is the mean over the senders that kept it (nonzero) rather than over all of them;
 5. for an owner in the round, projects every input it averaged (as averaged: bounded, clip factor applied) on
    random directions drawn from the averaged bytes: the *claims* every member holds the average against
-   (:mod:`template.allreduce.verification`; not for ``mean_of_kept`` codecs).
+   (:mod:`template.allreduce.verification`). For a ``mean_of_kept`` codec an input is projected after scaling each
+   value by W / K (K: the weight of the senders that kept it, :func:`kept_weight`), so the members' one formula
+   Σ (w/W)·claim holds for both means.
 
 Every step is deterministic, so the same inputs give the same bytes on any machine: the owner sends those bytes to
 every member (all members hold bit-identical Δ̄), and a validator holding every contributor's publication recomputes
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from template.allreduce.codecs import CodecError, SegmentCodec, all_finite
-from template.allreduce.verification import claims, directions
+from template.allreduce.verification import Directions, claims
 
 # A sender's weight (tokens) counts at most this many times the lower median of the group's announced weights.
 WEIGHT_CAP_MULTIPLE = 4.0
@@ -104,22 +106,28 @@ def value_bound(largest: Sequence[float], multiple: float | None) -> float:
 
 
 def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float], factors: Sequence[float] | None = None,
-                  *, mean_of_kept: bool = False) -> torch.Tensor:
+                  *, kept: torch.Tensor | None = None) -> torch.Tensor:
     """The owner's arithmetic, in float64, accumulated in the given (senders') order: Σ w·f·x / Σ w per value; with
-    ``mean_of_kept``, Σ over the senders whose value there is nonzero (kept by a sparse codec), 0 where none kept it.
-    ``factors`` scale the values (norm clipping), not the weights."""
+    ``kept`` (:func:`kept_weight` of the same values and weights: a ``mean_of_kept`` codec), Σ w·f·x / kept, 0 where
+    nobody kept the value. ``factors`` scale the values (norm clipping), not the weights."""
     factors = [1.0] * len(values) if factors is None else factors
     accumulator = torch.zeros(values[0].numel(), dtype=torch.float64)
-    if not mean_of_kept:
+    if kept is None:
         total = sum(weights)
         for x, weight, factor in zip(values, weights, factors, strict=True):
             accumulator.add_(x, alpha=weight * factor / total)  # float32 values promote into the float64 sum
         return accumulator
-    kept_weight = torch.zeros_like(accumulator)
     for x, weight, factor in zip(values, weights, factors, strict=True):
         accumulator.add_(x, alpha=weight * factor)
-        kept_weight.add_(x.ne(0), alpha=weight)  # a bool tensor promotes into the float64 sum
-    return torch.where(kept_weight > 0, accumulator / kept_weight.clamp_min(math.ulp(0.0)), 0.0)
+    return torch.where(kept > 0, accumulator / kept.clamp_min(math.ulp(0.0)), 0.0)
+
+
+def kept_weight(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Per value, in float64: K = Σ w over the senders whose value there is nonzero (kept by a sparse codec)."""
+    kept = torch.zeros(values[0].numel(), dtype=torch.float64)
+    for x, weight in zip(values, weights, strict=True):
+        kept.add_(x.ne(0).to(torch.float64), alpha=weight)  # the same sum as promoting the bools, 25 % faster
+    return kept
 
 
 def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCodec,
@@ -157,10 +165,13 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
                 clipped.append((valid[i][0], factors[i]))
     values, bounded = _bounded_values([v for _, v, _ in valid], factors, rule.value_bound_multiple)
     total = sum(weight for _, _, weight in valid)
-    mean = weighted_mean(values, [w for _, _, w in valid], factors, mean_of_kept=codec.mean_of_kept).to(torch.float32)
-    data = codec.encode_average(mean)
-    made = () if claims_context is None or codec.mean_of_kept else claims(
-        values, factors, directions(claims_context, hashlib.sha256(data).digest(), numel, codec.check_directions))
+    weights = [w for _, _, w in valid]
+    kept = kept_weight(values, weights) if codec.mean_of_kept else None
+    data = codec.encode_average(weighted_mean(values, weights, factors, kept=kept).to(torch.float32))
+    made: tuple[tuple[float, ...], ...] = ()
+    if claims_context is not None:
+        drawn = Directions(claims_context, hashlib.sha256(data).digest(), numel, codec.check_directions)
+        made = claims(values, factors, drawn, None if kept is None else (kept.numpy(), math.fsum(weights)))
     return ReducedSegment(data, tuple(s for s, _, _ in valid), total, tuple(dropped), tuple(clipped),
                           tuple((valid[i][0], count) for i, count in bounded), made)
 

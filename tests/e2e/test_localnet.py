@@ -131,6 +131,10 @@ def test_a_sparse_network_trains_scores_and_fetches_a_fiftieth_of_fp16(tmp_path)
     rows = [row for event in scored for row in event["miners"]]
     assert len(rows) >= 2 and all(row["reason"] == "" for row in rows), rows
     assert any(event["paid"] and any(row["score"] > 0 for row in event["miners"]) for event in scored), scored
+    # every average over the kept values is checked in the round against its owner's claims: no honest one dropped
+    rounds = [event for path in out.glob("miner*.events") for event in map(json.loads, path.read_text().splitlines())
+              if event["event"] == "round" and event["allreduce_ok"]]
+    assert len(rounds) >= 4 and all(event["segments_refuted"] == 0 for event in rounds), rounds
 
 
 @pytest.mark.timeout(400)

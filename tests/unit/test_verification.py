@@ -13,10 +13,11 @@ import torch
 from template.allreduce.codecs import get_codec
 from template.allreduce.messages import AveragedSegment, MessageError
 from template.allreduce.reduction import OwnerRule, SegmentInput, reduce_segment, weight_cap
-from template.allreduce.verification import SegmentCheck, directions, round_context, segment_context
+from template.allreduce.verification import Directions, SegmentCheck, projections, round_context, segment_context
 
 CONTEXT = round_context("run", 7, b"\x01" * 20)
-CODECS = {"none": {}, "fp16": {}, "int8": {}, "sparse-all": {"mean_of": "all", "chunk": 64, "k": 8}}
+CODECS = {"none": {}, "fp16": {}, "int8": {}, "sparse-all": {"mean_of": "all", "chunk": 64, "k": 8},
+          "sparse-kept": {"mean_of": "kept", "chunk": 64, "k": 8}}
 
 
 def codec_of(name: str, segment_values: int):
@@ -130,27 +131,52 @@ def test_an_average_beyond_the_fp16_range_is_refuted_it_is_not_the_mean():
     assert "misses the owner's own claims" in refuted(check, 3, message, decoded)
 
 
-def test_codecs_that_average_over_the_kept_values_carry_no_claims_and_are_not_checked():
-    codec = get_codec("sparse", chunk=64, k=8)
+def test_averages_over_the_kept_values_are_checked_with_the_same_formula():
+    """The sparse codec's default averages each value over the senders that kept it; the claims scale each input per
+    value by W / (the weight of the senders that kept it), so the members' Σ (w/W)·claim is the projection of that
+    mean too: unequal weights, values kept by one sender, by several and by none all pass, and moving the average of
+    one value that a single sender kept (its pull there is w / its own weight = 1, not w / W) is refuted."""
+    codec = codec_of("sparse-kept", 4096)
     assert codec.mean_of_kept
     generator = torch.Generator().manual_seed(5)
-    message, decoded, check = averaged(codec, 1000, [values("normal", 1000, generator) for _ in range(2)], [1.0, 1.0])
-    assert message.claims == ()
-    assert refuted(check, 3, message, decoded) == ""
+    inputs = [values("normal", 1000, generator) for _ in range(3)]
+    message, decoded, check = averaged(codec, 1000, inputs, [1.0, 3.0, 0.5])
+    kept_by = (torch.stack([codec.decode(codec.encode(x), 1000) for x in inputs]) != 0).sum(dim=0)
+    assert {0, 1, 2} <= set(kept_by.tolist())  # values nobody kept, and kept by one or by two
+    assert len(message.claims) == 3 and refuted(check, 3, message, decoded) == ""
+    edited = decoded.clone()
+    edited[int(torch.nonzero(kept_by == 1)[0])] *= -1
+    lie = dataclasses.replace(message, data=codec.encode_average(edited))
+    assert "misses the owner's own claims" in refuted(check, 3, lie, codec.decode_average(lie.data, 1000))
 
 
 def test_the_directions_are_fixed_by_their_inputs_and_the_same_on_every_machine():
     digest = hashlib.sha256(b"average").digest()
-    z = directions(segment_context(CONTEXT, 5), digest, 20, 3)
+    z = Directions(segment_context(CONTEXT, 5), digest, 20, 3).bits()
     assert z.shape == (3, 20) and set(z.flatten().tolist()) == {0.0, 1.0}
-    assert (z == directions(segment_context(CONTEXT, 5), digest, 20, 3)).all()
-    assert not (z == directions(segment_context(CONTEXT, 6), digest, 20, 3)).all()
-    assert not (z == directions(segment_context(CONTEXT, 5), hashlib.sha256(b"averagf").digest(), 20, 3)).all()
+    assert (z == Directions(segment_context(CONTEXT, 5), digest, 20, 3).bits()).all()
+    assert not (z == Directions(segment_context(CONTEXT, 6), digest, 20, 3).bits()).all()
+    assert not (z == Directions(segment_context(CONTEXT, 5), hashlib.sha256(b"averagf").digest(), 20, 3).bits()).all()
     # SHAKE-256 of a SHA-256 seed, unpacked most significant bit first: pinned so that no library update changes
     # the members' verdicts (two members drawing different directions would drop different segments)
     seed = hashlib.sha256(segment_context(CONTEXT, 5) + hashlib.sha256(b"average").digest()).digest()
     first = hashlib.shake_256(seed).digest(1)[0]
     assert [int(v > 0) for v in z[0, :8]] == [(first >> (7 - i)) & 1 for i in range(8)]
+
+
+def test_a_sparse_vector_is_projected_at_its_nonzeros_to_the_same_value():
+    """The sparse codec's segments (~1M values, a few % nonzero) are read at their nonzeros only; the projection is
+    the dense one, with and without the per-value scaling of a mean over the kept values."""
+    generator = torch.Generator().manual_seed(6)
+    drawn = Directions(segment_context(CONTEXT, 1), hashlib.sha256(b"a").digest(), 10_001, 2)
+    sparse = torch.randn(10_001, generator=generator) * (torch.rand(10_001, generator=generator) < 0.05)
+    dense = sparse + (sparse == 0) * 1e-30  # every value nonzero: the dense path, the same projection
+    assert 0 < int(sparse.count_nonzero()) < 1000 and int(dense.count_nonzero()) == 10_001
+    assert drawn.bits_at(torch.nonzero(sparse)[:, 0].numpy()).tolist() == drawn.bits()[:, sparse != 0].tolist()
+    kept = (torch.rand(10_001, generator=generator) + 0.5).double().numpy()
+    for scaling in (None, (kept, 3.0)):
+        at_nonzeros, whole = projections([sparse, dense], drawn, scaling)
+        assert at_nonzeros == pytest.approx(whole, rel=1e-12, abs=1e-12)
 
 
 def test_claims_travel_in_the_averaged_segment_and_malformed_ones_are_refused():
