@@ -202,6 +202,23 @@ class DHTSurvivingDeadSenders(hivemind.DHT):
         self._inner_pipe = _SkipRequestsOfDeadSenders(self._inner_pipe)
         super().run()
 
+    def shutdown(self) -> None:
+        """hivemind's shutdown (ask, wait ``shutdown_timeout``, SIGTERM), then SIGKILL if the process still runs.
+
+        Why: the DHT process is forked from a neuron and keeps the neuron's SIGTERM handler (a stop flag), so
+        hivemind's SIGTERM does nothing to it; and a stop sent to the neuron's whole process group (Ctrl-C, the local
+        network, ``pm2 stop``) has by then ended its p2p daemon, so its own shutdown waits on a daemon that is gone.
+        The neuron then waited forever for it at exit (multiprocessing joins its children): measured in
+        ``tests/integration/test_miner.py``, a miner stopped with its group hung until the test's SIGKILL 60 s later.
+        """
+        super().shutdown()
+        if self.is_alive():
+            self.join(1.0)
+        if self.is_alive():
+            logger.warning("the DHT process ignored SIGTERM; killing it")
+            self.kill()
+            self.join(5.0)
+
     async def _skip_request(self) -> None:
         """What the DHT process runs in place of a request whose sender is gone: nothing."""
 

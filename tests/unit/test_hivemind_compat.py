@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import signal
 import time
 from concurrent.futures import InvalidStateError
 from pathlib import Path
@@ -225,6 +227,29 @@ def test_a_request_of_a_dead_sender_is_skipped_and_the_dht_keeps_serving():
         assert dht.is_alive()
     finally:
         dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_dht_process_that_neither_shuts_down_nor_takes_sigterm_is_killed_by_shutdown():
+    """A neuron's DHT process keeps the neuron's SIGTERM handler (a stop flag) and, after a stop sent to the whole
+    process group, waits on a p2p daemon that is gone. Here it is frozen (SIGSTOP) with such a handler: hivemind's
+    shutdown asks, waits and sends SIGTERM in vain, and the process lived on (the neuron hung at exit); ours ends it."""
+    from template.p2p.dht import start_dht
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # what StopFlag.install does in a neuron
+    try:
+        dht = start_dht()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        os.kill(dht.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        dht.shutdown()
+        assert not dht.is_alive() and dht.exitcode == -signal.SIGKILL
+        assert time.monotonic() - started < dht.shutdown_timeout + 10
+    finally:
+        if dht.is_alive():
+            dht.kill()
 
 
 def _what_the_averager_sees_when_woken(cancel) -> list[bool]:
