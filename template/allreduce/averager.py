@@ -75,7 +75,7 @@ from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
 from template.allreduce.owner_inputs import OwnerInputs
 from template.allreduce.reduction import OwnerRule
 from template.allreduce.terms import AllReduceFaults, SegmentLayout
-from template.p2p.hivemind_compat import cancel_step, declared_state_priorities
+from template.p2p.hivemind_compat import cancel_step, declared_state_priorities, kill_if_alive
 from template.p2p.keys import ephemeral_signer, verify_signature
 
 __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "PseudoGradientAverager", "StateProvider"]
@@ -463,11 +463,7 @@ class PseudoGradientAverager:
         self._background.shutdown(wait=False, cancel_futures=True)  # a running finish ends by its deadline
         if self._averager.is_alive():
             self._averager.shutdown()  # asks politely, joins for shutdown_timeout, then terminates
-        if self._averager.is_alive():
-            self._averager.join(1.0)
-        if self._averager.is_alive():
-            self._averager.kill()
-            self._averager.join(1.0)
+        kill_if_alive(self._averager, "the averager process")
 
     def __enter__(self) -> PseudoGradientAverager:
         return self

@@ -32,6 +32,7 @@ import typing
 from collections.abc import Awaitable, Callable
 from concurrent.futures import InvalidStateError
 from functools import partial
+from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -184,6 +185,22 @@ class WithdrawalsInBackground:
             logger.debug("withdrawing a matchmaking declaration failed: %r", task.exception())
 
 
+def kill_if_alive(process: BaseProcess, what: str) -> None:
+    """Call after hivemind's shutdown of one of its processes (ask, wait ``shutdown_timeout``, SIGTERM): wait 1 s
+    more, then SIGKILL it if it still runs.
+
+    Why: hivemind's processes are forked from a neuron and keep the neuron's SIGTERM handler (a stop flag), so
+    hivemind's SIGTERM can do nothing to them; and the neuron's exit joins its children, so one left running holds
+    the neuron forever.
+    """
+    if process.is_alive():
+        process.join(1.0)
+    if process.is_alive():
+        logger.warning("%s ignored SIGTERM; killing it", what)
+        process.kill()
+        process.join(1.0)
+
+
 class DHTSurvivingDeadSenders(hivemind.DHT):
     """hivemind's DHT, whose process survives a request sent by a process that died before the DHT read it.
 
@@ -203,21 +220,12 @@ class DHTSurvivingDeadSenders(hivemind.DHT):
         super().run()
 
     def shutdown(self) -> None:
-        """hivemind's shutdown (ask, wait ``shutdown_timeout``, SIGTERM), then SIGKILL if the process still runs.
-
-        Why: the DHT process is forked from a neuron and keeps the neuron's SIGTERM handler (a stop flag), so
-        hivemind's SIGTERM does nothing to it; and a stop sent to the neuron's whole process group (Ctrl-C, the local
-        network, ``pm2 stop``) has by then ended its p2p daemon, so its own shutdown waits on a daemon that is gone.
-        The neuron then waited forever for it at exit (multiprocessing joins its children): measured in
-        ``tests/integration/test_miner.py``, a miner stopped with its group hung until the test's SIGKILL 60 s later.
+        """hivemind's shutdown, then :func:`kill_if_alive`: after a stop sent to the neuron's whole process group
+        (Ctrl-C, the local network, ``pm2 stop``) the p2p daemon is gone and the DHT's own shutdown waits on it; a
+        miner stopped that way hung at exit until the test's SIGKILL 60 s later (``tests/integration/test_miner.py``).
         """
         super().shutdown()
-        if self.is_alive():
-            self.join(1.0)
-        if self.is_alive():
-            logger.warning("the DHT process ignored SIGTERM; killing it")
-            self.kill()
-            self.join(5.0)
+        kill_if_alive(self, "the DHT process")
 
     async def _skip_request(self) -> None:
         """What the DHT process runs in place of a request whose sender is gone: nothing."""
