@@ -164,8 +164,8 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
                 factors[i] = bound / norm
                 clipped.append((valid[i][0], factors[i]))
     values, bounded = _bounded_values([v for _, v, _ in valid], factors, rule.value_bound_multiple)
-    total = sum(weight for _, _, weight in valid)
     weights = [w for _, _, w in valid]
+    total = sum(weights)
     kept = kept_weight(values, weights) if codec.mean_of_kept else None
     data = codec.encode_average(weighted_mean(values, weights, factors, kept=kept).to(torch.float32))
     made: tuple[tuple[float, ...], ...] = ()

@@ -100,7 +100,7 @@ def projections(vectors: Sequence[torch.Tensor], directions: Directions,
     read at those only (each pass over a 1M-value segment costs ~5 ms here). ``kept = (K, W)``: each value scaled by
     W / K first (K > 0 wherever a vector is nonzero: :func:`template.allreduce.reduction.kept_weight`)."""
     out = np.empty((len(vectors), directions.count))
-    whole = None  # the dense bits, unpacked once for every dense vector
+    whole = scale = None  # the dense bits and W / K, made once for every dense vector
     for row, vector in zip(out, vectors, strict=True):
         values = vector.numpy()
         if _count_nonzero(values) < SPARSE_SHARE * values.size:
@@ -112,7 +112,9 @@ def projections(vectors: Sequence[torch.Tensor], directions: Directions,
             whole = directions.bits() if whole is None else whole
             bits, values = whole, values.astype(np.float64)
             if kept is not None:
-                values *= np.divide(kept[1], kept[0], out=np.zeros_like(kept[0]), where=kept[0] > 0)
+                if scale is None:
+                    scale = np.divide(kept[1], kept[0], out=np.zeros_like(kept[0]), where=kept[0] > 0)
+                values *= scale
         row[:] = 2.0 * (bits @ values) - values.sum()
     return out
 
