@@ -86,9 +86,15 @@ class StopFlag:
 
     Nothing checks the flag inside a round's inner training or all-reduce: the neurons' loops check it between rounds
     (after the round's checkpoint), so both signals end the neuron there. They differ in who receives them: a stop
-    sent to the neuron's whole process group or tree (Ctrl-C, the local network, ``pm2 stop``) also reaches
-    hivemind's helper processes, which abandon an all-reduce in flight; the auto-updater sends SIGUSR1 to the
-    neuron's own process only, so the round in progress ends normally.
+    sent to the neuron's whole process group or tree (Ctrl-C, the local network, ``pm2 stop``) also reaches the
+    p2p daemon, which dies of it, so an all-reduce in flight fails and the round keeps the old θ; the auto-updater
+    sends SIGUSR1 to the neuron's own process only, so the round in progress ends normally.
+
+    hivemind's Python helpers (the DHT and averager processes) are forked from the neuron and inherit these
+    handlers: a group signal only sets their copy of the flag, which nothing reads there. They are left running on
+    purpose — the neuron's host side waits on them, and a helper that died mid-call would leave that wait to its
+    timeout — and stopped by the neuron's shutdown, which kills one that outlives hivemind's own shutdown
+    (:func:`template.p2p.hivemind_compat.kill_if_alive`).
     """
 
     def __init__(self) -> None:
