@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,6 +80,8 @@ class ReducedSegment:
     clipped: tuple[tuple[int, float], ...]  # (sender, factor) for contributions whose norm was clipped
     bounded: tuple[tuple[int, int], ...] = ()  # (sender, how many of its values) for contributions clamped in step 3
     claims: tuple[tuple[float, ...], ...] = ()  # per included sender, step 5 (empty when not asked for)
+    # the directions the claims were made on (seeded by the digest of ``data``); not part of the result's value
+    drawn: Directions | None = field(default=None, compare=False, repr=False)
 
 
 class NoValidContribution(ValueError):
@@ -169,11 +171,12 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
     kept = kept_weight(values, weights) if codec.mean_of_kept else None
     data = codec.encode_average(weighted_mean(values, weights, factors, kept=kept).to(torch.float32))
     made: tuple[tuple[float, ...], ...] = ()
+    drawn = None
     if claims_context is not None:
         drawn = Directions(claims_context, hashlib.sha256(data).digest(), numel, codec.check_directions)
         made = claims(values, factors, drawn, None if kept is None else (kept.numpy(), math.fsum(weights)))
     return ReducedSegment(data, tuple(s for s, _, _ in valid), total, tuple(dropped), tuple(clipped),
-                          tuple((valid[i][0], count) for i, count in bounded), made)
+                          tuple((valid[i][0], count) for i, count in bounded), made, drawn)
 
 
 def _bounded_values(values: list[torch.Tensor], factors: list[float],

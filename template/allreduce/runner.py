@@ -373,9 +373,10 @@ class CheckedAllReduceRunner:
             contribution = Contribution(sender, SegmentInput(sender, self.own.segments[segment], self.weight))
             result = await self.reducer.accumulate(contribution, offset)
             averaged = self.terms.told(self.my_index, result.averaged, result.decoded)
+            honest = averaged is result.averaged  # else AllReduceFaults told a lie: check it as every member does
             admitted = await asyncio.get_event_loop().run_in_executor(
                 None, self.check.admit, self.my_index, segment, averaged, result.decoded.numel(),
-                result.decoded if averaged is result.averaged else None)
+                result.decoded if honest else None, result.drawn if honest else None)
             self._write(segment, admitted.values)
             self._register(self.my_index, segment, averaged, admitted)
             sent.append(averaged.pack(len(self.sender_peer_ids)))

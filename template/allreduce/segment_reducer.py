@@ -35,6 +35,7 @@ from hivemind.averaging.partition import AllreduceException, BannedException
 from template.allreduce.codecs import SegmentCodec, all_finite
 from template.allreduce.messages import AveragedSegment, Refusal
 from template.allreduce.reduction import NoValidContribution, OwnerRule, SegmentInput, reduce_segment, weight_cap
+from template.allreduce.verification import Directions
 
 __all__ = ["SegmentReducer", "Contribution", "SegmentResult"]
 
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 class SegmentResult:
     averaged: AveragedSegment  # the same for every member of the group
     decoded: torch.Tensor  # what every member writes into its result for this segment
+    drawn: Directions | None = None  # the directions of the owner's claims, for its own check of ``averaged``
 
 
 @dataclass
@@ -184,7 +186,7 @@ class SegmentReducer:
         if not all_finite(decoded):
             raise AllreduceException("the average is not finite")
         return SegmentResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals,
-                                             reduced.claims), decoded)
+                                             reduced.claims), decoded, reduced.drawn)
 
     def finalize(self) -> None:
         if self.finished.is_set():

@@ -81,7 +81,7 @@ class Directions:
     def __init__(self, context: bytes, digest: bytes, numel: int, count: int):
         seed = hashlib.sha256(context + digest).digest()
         row = -(-numel // 8)
-        self.numel, self.count = numel, count
+        self.digest, self.numel, self.count = digest, numel, count
         self.packed = np.frombuffer(hashlib.shake_256(seed).digest(count * row), dtype=np.uint8).reshape(count, row)
 
     def bits(self) -> np.ndarray:
@@ -151,23 +151,25 @@ class SegmentCheck:
         self.codec, self.context, self.weights = codec, context, tuple(weights)
 
     def admit(self, owner: int, segment: int, averaged: AveragedSegment, numel: int,
-              decoded: torch.Tensor | None = None) -> Admitted:
+              decoded: torch.Tensor | None = None, drawn: Directions | None = None) -> Admitted:
         """What a member makes of ``owner``'s averaged segment (decoded here unless ``decoded`` is given);
         CodecError for an average that is not finite (the share fails: it is fetched from a groupmate, if any).
-        Runs in a worker thread."""
+        ``drawn``: the directions of these very bytes when the caller has them (an owner checking its own average:
+        its claims were made on them), else drawn here. Runs in a worker thread."""
         if decoded is None:
             decoded = self.codec.decode_average(averaged.data, numel)
         if not all_finite(decoded):
             raise CodecError(f"owner {owner}'s average is not finite")
-        digest = hashlib.sha256(averaged.data).digest()
-        if refuted := self.refutation(segment, averaged, decoded, digest):
+        digest = hashlib.sha256(averaged.data).digest() if drawn is None else drawn.digest
+        if refuted := self.refutation(segment, averaged, decoded, digest, drawn):
             logger.warning("owner %d's segment %d is dropped by every member: %s", owner, segment, refuted)
             return Admitted(torch.zeros_like(decoded), refuted, digest)
         return Admitted(decoded, "", digest)
 
-    def refutation(self, segment: int, averaged: AveragedSegment, decoded: torch.Tensor, digest: bytes) -> str:
-        """Why ``averaged`` (decoded: ``decoded``; ``digest``: sha256 of its bytes) cannot be the owner's mean of the
-        inputs it claims; "" when it can."""
+    def refutation(self, segment: int, averaged: AveragedSegment, decoded: torch.Tensor, digest: bytes,
+                   drawn: Directions | None = None) -> str:
+        """Why ``averaged`` (decoded: ``decoded``; ``digest``: sha256 of its bytes; ``drawn``: its directions, if
+        drawn already) cannot be the owner's mean of the inputs it claims; "" when it can."""
         count = self.codec.check_directions
         if len(averaged.claims) != len(averaged.included) or any(len(c) != count for c in averaged.claims):
             return "the average came without the owner's claims"
@@ -175,7 +177,8 @@ class SegmentCheck:
         if any(w is None or not w > 0 for w in weights):
             return "the average includes a sender that has no weight"
         total = math.fsum(weights)
-        drawn = Directions(segment_context(self.context, segment), digest, decoded.numel(), count)
+        if drawn is None:
+            drawn = Directions(segment_context(self.context, segment), digest, decoded.numel(), count)
         expected = [math.fsum(w / total * c[k] for w, c in zip(weights, averaged.claims, strict=True))
                     for k in range(count)]
         actual = projections([decoded], drawn)[0]

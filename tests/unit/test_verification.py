@@ -164,6 +164,26 @@ def test_the_directions_are_fixed_by_their_inputs_and_the_same_on_every_machine(
     assert [int(v > 0) for v in z[0, :8]] == [(first >> (7 - i)) & 1 for i in range(8)]
 
 
+@pytest.mark.parametrize("codec_name", sorted(CODECS))
+def test_an_owner_checks_its_own_average_on_the_directions_its_claims_were_made_on(codec_name):
+    """The owner hands its claims' directions to its own check (no second digest and draw): the same directions, the
+    same verdict and digest as a member that draws them, for an honest average and for a lie."""
+    codec, generator = codec_of(codec_name, 1024), torch.Generator().manual_seed(9)
+    inputs = [values("ordinary", 1024, generator) for _ in range(3)]
+    weights = [1.0, 2.0, 3.0]
+    encoded = [SegmentInput(i, codec.encode(x), w) for i, (x, w) in enumerate(zip(inputs, weights, strict=True))]
+    reduced = reduce_segment(encoded, 1024, codec, weights, OwnerRule(), 6.0, segment_context(CONTEXT, 3))
+    assert reduced.drawn is not None and reduced.drawn.digest == hashlib.sha256(reduced.data).digest()
+    check = SegmentCheck(codec, CONTEXT, weights)
+    honest = AveragedSegment(reduced.data, reduced.included, reduced.weight, (), reduced.claims)
+    lie = dataclasses.replace(honest, claims=tuple(tuple(-c for c in claim) for claim in honest.claims))
+    for message in (honest, lie):
+        decoded = codec.decode_average(message.data, 1024)
+        own, drawn = check.admit(0, 3, message, 1024, decoded, reduced.drawn), check.admit(0, 3, message, 1024)
+        assert (own.refuted, own.digest) == (drawn.refuted, drawn.digest) and bool(own.refuted) == (message is lie)
+    assert reduce_segment(encoded, 1024, codec, weights, OwnerRule(), 6.0).drawn is None  # no claims asked for
+
+
 def test_a_sparse_vector_is_projected_at_its_nonzeros_to_the_same_value():
     """The sparse codec's segments (~1M values, a few % nonzero) are read at their nonzeros only; the projection is
     the dense one, with and without the per-value scaling of a mean over the kept values."""
