@@ -48,6 +48,10 @@ STALLER = AVERAGER_CHILD_PREAMBLE + textwrap.dedent(
         finisher.start()
         while handle.control.stage.name != "RUNNING_ALLREDUCE" and time.time() < when["deadline"]:
             time.sleep(0.001)
+        # its groupmates may not have the leader's word yet (a full group begins at once, and this process may lead
+        # it): frozen now, it would stall the group's formation, not its all-reduce — the test says when they run
+        print("RUNNING", handle.control.stage.name, flush=True)
+        sys.stdin.readline()
     print("STALLING", handle.control.stage.name, flush=True)
     os.killpg(0, signal.SIGSTOP)  # freezes this process, its DHT and averager processes and its p2p daemon
     resumed = time.time()
@@ -112,6 +116,16 @@ class Staller:
         self.process.stdin.write(json.dumps(dict(scheduled=scheduled, deadline=deadline)) + "\n")
         self.process.stdin.flush()
 
+    def freeze_once_running(self, handles, deadline: float) -> None:
+        """Tell the staller (which runs its all-reduce) to freeze as soon as the others run theirs too: it may have
+        led the group and set its stage before its "begin" reached them (measured: 1 run in 8, both others then
+        looked for a group until their deadline). By the deadline at the latest."""
+        while any(h.control.stage.name != "RUNNING_ALLREDUCE" and not h.control.done() for h in handles) \
+                and time.time() < deadline:
+            time.sleep(0.001)
+        self.process.stdin.write("freeze\n")
+        self.process.stdin.flush()
+
     def wait_stopped(self, timeout: float = 10) -> None:
         """Until the kernel reports the staller as stopped (state T), so the round surely runs against a frozen peer."""
         deadline = time.monotonic() + timeout
@@ -147,6 +161,8 @@ def round_with_a_staller(dhts, whole: AveragingConfig, staller: Staller, seeds: 
         handles = begin_all((a, b), [deltas(seed) for seed in seeds], scheduled, deadline)
         with ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(p.finish, h, deadline) for p, h in zip((a, b), handles, strict=True)]
+            assert "RUNNING_ALLREDUCE" in staller.expect("RUNNING")
+            staller.freeze_once_running(handles, deadline)
             assert "RUNNING_ALLREDUCE" in staller.expect("STALLING")
             stalled_at = time.time()
             results = [future.result(timeout=deadline - time.time() + 10) for future in futures]
