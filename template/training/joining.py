@@ -83,7 +83,7 @@ def passed_by(averager: PseudoGradientAverager, round: int, *, overlapped: bool 
 
     Two signs. Another peer declares its all-reduce of ``round`` (or a later one) finished: it will not join this
     round's group any more (measured, overlapped kill test: a peer left out of round 0's group by hivemind's
-    matchmaking race looked for it alone until its deadline, 65 s, in 2 of 5 runs, and held its groupmates' round 1
+    matchmaking race looked for it alone until its deadline, 65 s, in 2 of 8 runs, and held its groupmates' round 1
     back as long). Or another peer declares the state of a round that it settled after ``round`` (we re-sync from
     that state): a peer that took round r's outer step declares r + 1, or r + 2 overlapped (it declares r + 1 when
     round r's all-reduce starts, and lands round r one round later)."""
