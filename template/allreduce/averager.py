@@ -57,7 +57,6 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.utils import get_dht_time
 
 from template.allreduce.averager_process import CheckedAverager, ContributionBuffer, StateProvider
 from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, get_codec
@@ -323,15 +322,7 @@ class PseudoGradientAverager:
         without it (it trained late) would otherwise look for that group until the deadline — a minute — and, when
         it re-syncs, arrive late again (measured: every round after a restart under CI's load). It is asked only
         after the scheduled time: a group that forms on time is never given up on, whatever a peer declares.
-
-        When it returns, this peer declares the round finished (:meth:`newest_finished_round`), whatever the outcome.
         """
-        result = self._run_step(handle, deadline, left_behind)
-        self._declare_finished(handle.gather["terms"]["round"])
-        return result
-
-    def _run_step(self, handle: AveragingHandle, deadline: float,
-                  left_behind: Callable[[], str | None] | None) -> AveragingResult:
         self._check_open()
         started = time.monotonic()
         deadline = min(deadline, handle.deadline)
@@ -445,24 +436,6 @@ class PseudoGradientAverager:
         others = [priority for peer, priority in declared_state_priorities(self.dht, self.config.prefix).items()
                   if peer != self.peer_id]
         return max(others, default=None)
-
-    def _declare_finished(self, round: int) -> None:
-        """Tell the run that this peer's all-reduce of ``round`` is over (formed, failed or given up): it will not
-        join that round's group any more. Kept for ``allreduce_timeout``, as long as a latecomer may look for it."""
-        try:
-            self.dht.store(f"{self.config.prefix}_finished", round, subkey=self.peer_id, return_future=True,
-                           expiration_time=get_dht_time() + self.config.allreduce_timeout)
-        except OSError as err:  # the DHT was shut down meanwhile (a neuron stopping): nobody is left to tell
-            logger.debug("round %d finished, not declared: %r", round, err)
-
-    def newest_finished_round(self) -> int | None:
-        """The newest round whose all-reduce another peer declares finished (None: none declares one). A peer still
-        looking for that round's group then looks in vain: the round's one group formed (or failed) without it."""
-        found = self.dht.get(f"{self.config.prefix}_finished", latest=True)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        rounds = [entry.value for peer, entry in entries.items()
-                  if peer != self.peer_id and type(getattr(entry, "value", None)) is int]
-        return max(rounds, default=None)
 
     def load_state_from_peers(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Download (metadata, tensors) that a live peer's ``state_provider`` returns; None if none in time."""

@@ -79,17 +79,10 @@ def wait_until_ready(dht: hivemind.DHT, run_id: str, round: int, count: int, tim
 
 
 def passed_by(averager: PseudoGradientAverager, round: int, *, overlapped: bool = False) -> str | None:
-    """Why a peer's search for ``round``'s group is over: the round's one group formed (or failed) without us.
-
-    Two signs. Another peer declares its all-reduce of ``round`` (or a later one) finished: it will not join this
-    round's group any more (measured, overlapped kill test: a peer left out of round 0's group by hivemind's
-    matchmaking race looked for it alone until its deadline, 65 s, in 2 of 8 runs, and held its groupmates' round 1
-    back as long). Or another peer declares the state of a round that it settled after ``round`` (we re-sync from
-    that state): a peer that took round r's outer step declares r + 1, or r + 2 overlapped (it declares r + 1 when
-    round r's all-reduce starts, and lands round r one round later)."""
-    finished = averager.newest_finished_round()
-    if finished is not None and finished >= round:
-        return f"a peer finished round {finished}'s all-reduce: round {round}'s group formed without this peer"
+    """Why a peer's search for ``round``'s group is over, if a peer declares the state of a round that it settled
+    after ``round``: then the round's one group formed without us (we re-sync from that state). A peer that took
+    round r's outer step declares r + 1, or r + 2 overlapped (it declares r + 1 when round r's all-reduce starts, and
+    lands round r one round later)."""
     newest = averager.newest_declared_state()
     if newest is None or newest < round + (2 if overlapped else 1):
         return None

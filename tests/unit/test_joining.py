@@ -6,17 +6,13 @@ from template.training.joining import passed_by
 
 
 class Declaring:
-    """An averager whose groupmates declare ``newest`` as their state-sharing priority and ``finished`` as the newest
-    round whose all-reduce they finished (None: nobody declares one)."""
+    """An averager whose groupmates declare ``newest`` as their state-sharing priority (None: nobody declares)."""
 
-    def __init__(self, newest: float | None, finished: int | None = None):
-        self.newest, self.finished = newest, finished
+    def __init__(self, newest: float | None):
+        self.newest = newest
 
     def newest_declared_state(self) -> float | None:
         return self.newest
-
-    def newest_finished_round(self) -> int | None:
-        return self.finished
 
 
 def test_blocking_a_peer_is_passed_by_once_another_declares_the_round_after_its_own():
@@ -31,11 +27,3 @@ def test_overlapped_a_peer_is_passed_by_only_once_another_landed_its_round():
     # overlapped, a peer declares r + 1 as soon as round r's all-reduce starts: that is no sign of a group without us
     assert passed_by(Declaring(6.0), 5, overlapped=True) is None
     assert passed_by(Declaring(7.0), 5, overlapped=True) is not None
-
-
-def test_a_peer_is_passed_by_once_another_finished_its_rounds_all_reduce():
-    for overlapped in (False, True):
-        assert passed_by(Declaring(None, finished=4), 5, overlapped=overlapped) is None  # the round before ours
-        for finished in (5, 6):
-            why = passed_by(Declaring(None, finished=finished), 5, overlapped=overlapped)
-            assert why is not None and f"finished round {finished}'s all-reduce" in why
