@@ -160,16 +160,17 @@ class SegmentCheck:
             decoded = self.codec.decode_average(averaged.data, numel)
         if not all_finite(decoded):
             raise CodecError(f"owner {owner}'s average is not finite")
-        digest = hashlib.sha256(averaged.data).digest() if drawn is None else drawn.digest
-        if refuted := self.refutation(segment, averaged, decoded, digest, drawn):
+        if drawn is None:
+            drawn = Directions(segment_context(self.context, segment), hashlib.sha256(averaged.data).digest(),
+                               decoded.numel(), self.codec.check_directions)
+        if refuted := self.refutation(averaged, decoded, drawn):
             logger.warning("owner %d's segment %d is dropped by every member: %s", owner, segment, refuted)
-            return Admitted(torch.zeros_like(decoded), refuted, digest)
-        return Admitted(decoded, "", digest)
+            return Admitted(torch.zeros_like(decoded), refuted, drawn.digest)
+        return Admitted(decoded, "", drawn.digest)
 
-    def refutation(self, segment: int, averaged: AveragedSegment, decoded: torch.Tensor, digest: bytes,
-                   drawn: Directions | None = None) -> str:
-        """Why ``averaged`` (decoded: ``decoded``; ``digest``: sha256 of its bytes; ``drawn``: its directions, if
-        drawn already) cannot be the owner's mean of the inputs it claims; "" when it can."""
+    def refutation(self, averaged: AveragedSegment, decoded: torch.Tensor, drawn: Directions) -> str:
+        """Why ``averaged`` (decoded: ``decoded``; ``drawn``: the directions of its bytes) cannot be the owner's mean
+        of the inputs it claims; "" when it can."""
         count = self.codec.check_directions
         if len(averaged.claims) != len(averaged.included) or any(len(c) != count for c in averaged.claims):
             return "the average came without the owner's claims"
@@ -177,8 +178,6 @@ class SegmentCheck:
         if any(w is None or not w > 0 for w in weights):
             return "the average includes a sender that has no weight"
         total = math.fsum(weights)
-        if drawn is None:
-            drawn = Directions(segment_context(self.context, segment), digest, decoded.numel(), count)
         expected = [math.fsum(w / total * c[k] for w, c in zip(weights, averaged.claims, strict=True))
                     for k in range(count)]
         actual = projections([decoded], drawn)[0]
