@@ -374,9 +374,10 @@ class CheckedAllReduceRunner:
             result = await self.reducer.accumulate(contribution, offset)
             averaged = self.terms.told(self.my_index, result.averaged, result.decoded)
             honest = averaged is result.averaged  # else AllReduceFaults told a lie: check it as every member does
+            drawn, result.drawn = result.drawn, None  # needed once, here; the reducer keeps its results all round
             admitted = await asyncio.get_event_loop().run_in_executor(
                 None, self.check.admit, self.my_index, segment, averaged, result.decoded.numel(),
-                result.decoded if honest else None, result.drawn if honest else None)
+                result.decoded if honest else None, drawn if honest else None)
             self._write(segment, admitted.values)
             self._register(self.my_index, segment, averaged, admitted)
             sent.append(averaged.pack(len(self.sender_peer_ids)))
