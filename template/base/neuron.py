@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -72,7 +73,7 @@ def prepare_process(config: NeuronConfig) -> StopFlag:
     and a stop flag that SIGINT/SIGTERM set."""
     logging.basicConfig(level=logging.DEBUG if config.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    logging.getLogger("hivemind").setLevel(os.environ.get("HIVEMIND_LOGLEVEL", "WARNING"))  # hivemind's own knob
     if config.neuron.torch_threads:
         torch.set_num_threads(config.neuron.torch_threads)
     stop = StopFlag()

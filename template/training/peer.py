@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from dataclasses import asdict
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "template.allreduce.averager", "template.allreduce.averager_process",
                   "template.allreduce.runner", "template.allreduce.segment_reducer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("hivemind").setLevel(os.environ.get("HIVEMIND_LOGLEVEL", "WARNING"))  # hivemind's own knob
     signal.signal(signal.SIGTERM, _interrupt)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
