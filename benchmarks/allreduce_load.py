@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--values", type=int, help="float32 values per peer (default 1e6; --quick 1e5)")
     parser.add_argument("--codec", default="fp16", help="the all-reduce codec (default fp16, the engine's)")
     parser.add_argument("--timeout", type=float, default=60.0, help="bound of one all-reduce, seconds")
+    parser.add_argument("--absent", type=int, default=0,
+                        help="expected peers that never come (default 0): groups are sized for --peers + ABSENT, so "
+                             "every group forms when its leader's matchmaking time ends, as after a miner died, "
+                             "instead of the moment it is full")
     parser.add_argument(LANE_FLAG, type=int, help=argparse.SUPPRESS)  # internal: run one lane, print its outcomes
     args = parser.parse_args(argv)
     for name, full, quick in (("lanes", 7, 2), ("rounds", 30, 2), ("peers", 3, 2), ("values", 1_000_000, 100_000)):
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, quick if args.quick else full)
         if getattr(args, name) < (2 if name == "peers" else 1):
             parser.error(f"--{name} must be at least {2 if name == 'peers' else 1}")
+    if args.absent < 0:
+        parser.error("--absent must be at least 0")
     return args
 
 
@@ -69,7 +75,7 @@ def run_lane(args: argparse.Namespace) -> None:
     shapes = [torch.Size([args.values])]
     try:
         for round in range(args.rounds):
-            config = AveragingConfig(prefix=f"load{uuid.uuid4().hex[:10]}", target_group_size=args.peers,
+            config = AveragingConfig(prefix=f"load{uuid.uuid4().hex[:10]}", target_group_size=args.peers + args.absent,
                                      min_group_size=args.peers, compression=args.codec)
             averagers = []
             started = time.monotonic()
@@ -103,7 +109,8 @@ def run_lane(args: argparse.Namespace) -> None:
 def run_lanes(args: argparse.Namespace) -> list[dict]:
     """Start every lane at once; collect their lines until all exit (bounded: each round by its timeout)."""
     command = [sys.executable, "-m", "benchmarks.allreduce_load", "--rounds", str(args.rounds), "--peers",
-               str(args.peers), "--values", str(args.values), "--codec", args.codec, "--timeout", str(args.timeout)]
+               str(args.peers), "--values", str(args.values), "--codec", args.codec, "--timeout", str(args.timeout),
+               "--absent", str(args.absent)]
     bound = args.rounds * (args.timeout + 90) + 120
     lanes = [subprocess.Popen([*command, LANE_FLAG, str(lane)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = run_lanes(args)
     emit(dict(benchmark="allreduce_load", quick=args.quick, machine=machine, seconds=time.monotonic() - started,
               settings=dict(lanes=args.lanes, rounds=args.rounds, peers=args.peers, values=args.values,
-                            codec=args.codec, timeout_s=args.timeout),
+                            codec=args.codec, timeout_s=args.timeout, absent=args.absent),
               **summarize(lines, args)))
 
 
