@@ -336,7 +336,7 @@ class CheckedAllReduceRunner:
         hivemind then cancelled the whole all-reduce, with no report)."""
         try:
             if peer_id == self.peer_id:  # owners are always senders: auxiliaries own nothing
-                await self._average_own_range()
+                await _bounded(self._average_own_range(), self._time_left(), "own range not averaged by deadline")
                 return
             await _bounded(self._exchange_with_owner(owner, peer_id), self._time_left(),
                            f"no share of owner {owner} by deadline")
