@@ -75,7 +75,13 @@ from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
 from template.allreduce.owner_inputs import OwnerInputs
 from template.allreduce.reduction import OwnerRule
 from template.allreduce.terms import AllReduceFaults, SegmentLayout
-from template.p2p.hivemind_compat import cancel_step, declared_state_priorities, kill_if_alive
+from template.p2p.dht import rejoin_connected_peers
+from template.p2p.hivemind_compat import (
+    cancel_step,
+    declared_state_priorities,
+    kill_if_alive,
+    matchmaking_declarations,
+)
 from template.p2p.keys import ephemeral_signer, verify_signature
 
 __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "PseudoGradientAverager", "StateProvider"]
@@ -298,6 +304,11 @@ class PseudoGradientAverager:
         return AveragingHandle(control, weight, blob, deadline, commitment)
 
     def _step(self, weight: float, blob: Any, scheduled_time: float, deadline: float, require_trigger: bool):
+        # a DHT that dropped its groupmates from its routing table would look for the group alone (see the function)
+        try:
+            rejoin_connected_peers(self.dht)
+        except OSError as err:  # a dead DHT process: the step fails on its own, with its own message
+            logger.debug("could not ask the DHT to rejoin its peers: %r", err)
         # peers of one round only find each other: with overlap a peer that (re)joined looks for round r+1's group
         # while the others still gather round r's, and a mixed group refuses every segment across the rounds
         # (measured: "partial all-reduce: received 56.1 %" in every round after a rejoin, both sides)
@@ -436,6 +447,15 @@ class PseudoGradientAverager:
         others = [priority for peer, priority in declared_state_priorities(self.dht, self.config.prefix).items()
                   if peer != self.peer_id]
         return max(others, default=None)
+
+    def round_searchers(self, round: int) -> dict[str, bool]:
+        """The other peers declared in ``round``'s matchmaking (a DHT read, a moment old): True while one looks for that
+        round's group, False once it found one or stopped looking. A peer declares itself only for the one round it
+        looks a group for, and begins a round's all-reduce only after its last one ended: one that appears under
+        round r + 1 is done with round r."""
+        declared = matchmaking_declarations(self.dht, self.config.prefix, round_group_bits(round))
+        declared.pop(self.peer_id, None)
+        return declared
 
     def load_state_from_peers(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Download (metadata, tensors) that a live peer's ``state_provider`` returns; None if none in time."""

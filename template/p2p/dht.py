@@ -21,6 +21,7 @@ from functools import partial
 import hivemind
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
 from template.p2p.hivemind_compat import (
@@ -30,7 +31,7 @@ from template.p2p.hivemind_compat import (
     visible_maddrs_coroutine,
 )
 
-__all__ = ["DHTConfig", "DHTStartError", "connect_peers", "start_dht", "visible_maddrs"]
+__all__ = ["DHTConfig", "DHTStartError", "connect_peers", "rejoin_connected_peers", "start_dht", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,3 +145,27 @@ async def _dial_all(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str]) -> int
             return False
 
     return sum(await asyncio.gather(*(reach(maddr) for maddr in maddrs)))
+
+
+def rejoin_connected_peers(dht: hivemind.DHT) -> MPFuture:
+    """Ask the DHT process to ping the peers its p2p host is connected to and its routing table lacks; the future
+    says how many answered (a ping that is answered puts each node back in the other's table). Nobody has to wait.
+
+    Why: hivemind's DHT drops a node from its routing table the first time a request to it goes unanswered (within
+    ``wait_timeout``, 3 s) and takes it back only when that node sends it a request. In a small network that can cut
+    the DHT in two for good: on two loaded cores with a third peer SIGKILLed, the two survivors' DHTs each timed out
+    once on the other and each kept only the dead peer; from then on every declaration and every lookup of the next
+    round's group stayed local, and both looked for that group until their deadline, 70 s (the overlapped kill test,
+    1 run in 8 under one busy process; docs/reliability.md). Their libp2p connection lives on — they had just
+    averaged together — so the peers connected to the host are the ones to ask back. Neurons also re-dial the
+    chain's axons every round (:func:`connect_peers`); this needs no address.
+    """
+    return dht.run_coroutine(_ping_connected_peers_missing_from_the_routing_table, return_future=True)
+
+
+async def _ping_connected_peers_missing_from_the_routing_table(_dht: hivemind.DHT, node: DHTNode) -> int:
+    """Runs inside the DHT process."""
+    table = node.protocol.routing_table
+    missing = [info.peer_id for info in await node.p2p.list_peers() if table.get(peer_id=info.peer_id) is None]
+    answered = await asyncio.gather(*(node.protocol.call_ping(peer_id) for peer_id in missing))
+    return sum(node_id is not None for node_id in answered)

@@ -270,6 +270,20 @@ def declared_state_priorities(dht: hivemind.DHT, prefix: str) -> dict[str, float
     return priorities
 
 
+def matchmaking_declarations(dht: hivemind.DHT, prefix: str, group_bits: str) -> dict[str, bool]:
+    """PeerID (base58) → True while that averager of ``prefix`` looks for a group under the group key of
+    ``group_bits``, False once it found one or stopped looking (its withdrawal), for every declaration that has not
+    expired: what hivemind's matchmaking reads to find its leaders (``GroupKeyManager.get_averagers``)."""
+    found = dht.get(f"{prefix}.0b{group_bits}", latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    declared = {}
+    for subkey, entry in entries.items():
+        value = getattr(entry, "value", None)
+        if isinstance(subkey, bytes) and isinstance(value, bool):
+            declared[str(PeerID(subkey))] = value
+    return declared
+
+
 def cancel_step(control: StepControl) -> None:
     """Cancel an averaging step so that the averager process cannot miss it.
 

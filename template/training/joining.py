@@ -79,14 +79,28 @@ def wait_until_ready(dht: hivemind.DHT, run_id: str, round: int, count: int, tim
 
 
 def passed_by(averager: PseudoGradientAverager, round: int, *, overlapped: bool = False) -> str | None:
-    """Why a peer's search for ``round``'s group is over, if a peer declares the state of a round that it settled
-    after ``round``: then the round's one group formed without us (we re-sync from that state). A peer that took
-    round r's outer step declares r + 1, or r + 2 overlapped (it declares r + 1 when round r's all-reduce starts, and
-    lands round r one round later)."""
+    """Why a late peer's search for ``round``'s group is over, if it is; None while the group may still form.
+
+    Two signs, each read from the DHT:
+
+    - a peer declares the state of a round that it settled after ``round``: the round's one group formed without us
+      (we re-sync from that state). A peer that took round r's outer step declares r + 1, or r + 2 overlapped (it
+      declares r + 1 when round r's all-reduce starts, and lands round r one round later);
+    - a peer is declared in round r + 1's matchmaking while nobody else still looks for round r's group: it is done
+      with round r, whatever came of it (a peer begins a round's all-reduce only after its last one ended), and no
+      group of round r can form around us alone. This also covers a round that was lost for everyone, after which
+      nobody declares a newer state: hivemind's leader can count in a follower that never heard its word (its
+      leader was killed, or the word came late), and the others move on while that follower looked for the group
+      until its deadline (a minute, in the overlapped kill test, holding its next round back as long).
+    """
     newest = averager.newest_declared_state()
-    if newest is None or newest < round + (2 if overlapped else 1):
-        return None
-    return f"a peer holds round {int(newest)}'s state: round {round}'s group formed without this peer"
+    if newest is not None and newest >= round + (2 if overlapped else 1):
+        return f"a peer holds round {int(newest)}'s state: round {round}'s group formed without this peer"
+    ahead = averager.round_searchers(round + 1)
+    if ahead and not any(averager.round_searchers(round).values()):
+        return (f"{len(ahead)} peer(s) went on to round {round + 1}'s matchmaking and none looks for round {round}'s "
+                "group")
+    return None
 
 
 class SharedState:

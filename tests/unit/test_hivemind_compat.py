@@ -107,6 +107,16 @@ def test_averagers_declare_their_state_priority_under_the_prefixs_all_averagers_
         DecentralizedAverager._load_state_from_peers)
 
 
+def test_averagers_declare_their_matchmaking_under_the_group_key_with_whether_they_still_look():
+    """``matchmaking_declarations`` reads the group key as hivemind writes it (the live reading is tested in
+    tests/integration/test_averaging.py, a peer left alone in its round's matchmaking)."""
+    from hivemind.averaging.key_manager import GroupKeyManager
+
+    assert 'f"{self.prefix}.0b{self.group_bits}"' in inspect.getsource(GroupKeyManager.current_key.fget)
+    declare = inspect.getsource(GroupKeyManager.declare_averager)
+    assert "subkey=peer_id.to_bytes()" in declare and "value=looking_for_group" in declare
+
+
 def test_private_p2p_is_the_averagers_host():
     assert "self._p2p" in inspect.getsource(DecentralizedAverager._run_internal)
 
