@@ -110,7 +110,8 @@ def test_allreduce_quick(outputs):
 def test_allreduce_load_quick(outputs):
     result = outputs["allreduce_load"]
     check_common(result, "allreduce_load")
-    assert result["settings"] == dict(lanes=2, rounds=2, peers=2, values=100_000, codec="fp16", timeout_s=60.0)
+    assert result["settings"] == dict(lanes=2, rounds=2, peers=2, values=100_000, codec="fp16", timeout_s=60.0,
+                                      absent=0)
     assert result["allreduces"] == result["allreduces_expected"] == 4
     assert result["member_outcomes"] == 8
     assert result["members_ok"] + result["members_partial"] + result["members_failed"] == 8
