@@ -95,6 +95,9 @@ T = TypeVar("T")
 HANDLER_NAME = f"diloco.publication.v{PROTOCOL_VERSION}"
 CHUNK_BYTES = 2 << 20  # 2 MiB of payload per frame
 FETCH_ATTEMPTS = 3  # a fetch whose stream broke is tried again, within the same timeout
+# seconds before attempt k + 1 (× k): libp2p refuses every dial to an address that failed one for ~5 s ("dial
+# backoff"), so attempts made at once all fail together (an outsider's fetch in tests/integration/test_miner.py)
+FETCH_RETRY_PAUSE_S = 2.0
 _FRAME_OVERHEAD = 256  # protobuf tags and lengths around a chunk or a reply
 _HEADER_LEN, _BYTEORDER = P2P.HEADER_LEN, P2P.BYTEORDER
 
@@ -437,6 +440,7 @@ async def _with_attempts(fetch: Callable[[], Awaitable[T]], request: FetchReques
             if attempt == attempts:
                 raise TransportError(failure) from None
             log.warning("%s: fetching again", failure)
+            await asyncio.sleep(min(FETCH_RETRY_PAUSE_S * attempt, max(deadline - loop.time(), 0.0)))
     raise AssertionError("unreachable: the last attempt returns or raises TransportError")
 
 
