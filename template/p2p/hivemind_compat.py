@@ -260,28 +260,25 @@ def visible_maddrs_coroutine():
 def declared_state_priorities(dht: hivemind.DHT, prefix: str) -> dict[str, float]:
     """PeerID (base58) → the state-sharing priority each averager of ``prefix`` declares in the DHT: what hivemind's
     ``load_state_from_peers`` ranks the peers by before it downloads the first one's whole state."""
-    found = dht.get(f"{prefix}.all_averagers", latest=True)
-    entries = found.value if found is not None and isinstance(found.value, dict) else {}
-    priorities = {}
-    for subkey, entry in entries.items():
-        value = getattr(entry, "value", None)
-        if isinstance(subkey, bytes) and isinstance(value, (int, float)) and not isinstance(value, bool):
-            priorities[str(PeerID(subkey))] = float(value)
-    return priorities
+    return {peer: float(value) for peer, value in _values_by_peer(dht, f"{prefix}.all_averagers").items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def matchmaking_declarations(dht: hivemind.DHT, prefix: str, group_bits: str) -> dict[str, bool]:
     """PeerID (base58) → True while that averager of ``prefix`` looks for a group under the group key of
     ``group_bits``, False once it found one or stopped looking (its withdrawal), for every declaration that has not
     expired: what hivemind's matchmaking reads to find its leaders (``GroupKeyManager.get_averagers``)."""
-    found = dht.get(f"{prefix}.0b{group_bits}", latest=True)
+    return {peer: value for peer, value in _values_by_peer(dht, f"{prefix}.0b{group_bits}").items()
+            if isinstance(value, bool)}
+
+
+def _values_by_peer(dht: hivemind.DHT, key: str) -> dict[str, Any]:
+    """PeerID (base58) → the live value each averager stored under ``key`` (hivemind's records: one subkey per
+    averager, its PeerID's bytes)."""
+    found = dht.get(key, latest=True)
     entries = found.value if found is not None and isinstance(found.value, dict) else {}
-    declared = {}
-    for subkey, entry in entries.items():
-        value = getattr(entry, "value", None)
-        if isinstance(subkey, bytes) and isinstance(value, bool):
-            declared[str(PeerID(subkey))] = value
-    return declared
+    return {str(PeerID(subkey)): getattr(entry, "value", None) for subkey, entry in entries.items()
+            if isinstance(subkey, bytes)}
 
 
 def cancel_step(control: StepControl) -> None:
