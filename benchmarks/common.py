@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from template.p2p.dht import hivemind_log_level
 from template.p2p.simulated_link import LinkSpec, LinkStats, SimulatedNetwork
 from template.training.data import STDLIB_SOURCE, names_files
 
@@ -37,9 +38,11 @@ log = logging.getLogger("benchmarks")
 
 
 def setup_logging() -> None:
-    """Logs to stderr (stdout carries the one JSON result); hivemind's chatter only from warnings up."""
+    """Logs to stderr (stdout carries the one JSON result); hivemind's chatter only from warnings up, unless
+    ``HIVEMIND_LOGLEVEL`` asks for more."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("hivemind", "template.allreduce.averager", "template.allreduce.averager_process",
+    hivemind_log_level()
+    for noisy in ("template.allreduce.averager", "template.allreduce.averager_process",
                   "template.allreduce.runner", "template.allreduce.segment_reducer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

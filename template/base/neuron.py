@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -40,7 +39,7 @@ from template.base.config import NeuronConfig
 from template.base.dashboard import DashboardError, DashboardServer, start_dashboard
 from template.chain.client import CHAIN_UNREACHABLE, ChainClient, NetworkConfigError, NotRegisteredError
 from template.chain.wallets import open_wallet
-from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, start_dht, visible_maddrs
+from template.p2p.dht import DHTConfig, DHTStartError, connect_peers, hivemind_log_level, start_dht, visible_maddrs
 from template.p2p.identity import PeerDirectory, commitment_value, peer_directory
 from template.training.checkpoint import CheckpointError
 from template.training.cli import averaging_config
@@ -73,7 +72,7 @@ def prepare_process(config: NeuronConfig) -> StopFlag:
     and a stop flag that SIGINT/SIGTERM set."""
     logging.basicConfig(level=logging.DEBUG if config.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("hivemind").setLevel(os.environ.get("HIVEMIND_LOGLEVEL", "WARNING"))  # hivemind's own knob
+    hivemind_log_level()
     if config.neuron.torch_threads:
         torch.set_num_threads(config.neuron.torch_threads)
     stop = StopFlag()

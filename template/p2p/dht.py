@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,9 +32,22 @@ from template.p2p.hivemind_compat import (
     visible_maddrs_coroutine,
 )
 
-__all__ = ["DHTConfig", "DHTStartError", "connect_peers", "rejoin_connected_peers", "start_dht", "visible_maddrs"]
+__all__ = [
+    "DHTConfig", "DHTStartError", "connect_peers", "hivemind_log_level", "rejoin_connected_peers", "start_dht",
+    "visible_maddrs",
+]
 
 logger = logging.getLogger(__name__)
+
+HIVEMIND_LOGLEVEL = "HIVEMIND_LOGLEVEL"  # hivemind's own knob for its logger
+
+
+def hivemind_log_level() -> None:
+    """Quiet hivemind's logger down to warnings unless ``HIVEMIND_LOGLEVEL`` asks for more (``DEBUG`` shows each
+    peer's matchmaking and DHT calls: how lost rounds were found). Every program that runs peers calls it once, so
+    the variable means the same everywhere (neurons, the engine's CLI, benchmarks)."""
+    logging.getLogger("hivemind").setLevel(os.environ.get(HIVEMIND_LOGLEVEL, "WARNING"))
+
 
 # Never negotiable: these make hivemind contact third parties or open router ports on its own.
 _NO_NAT_TRAVERSAL = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)

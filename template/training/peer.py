@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from dataclasses import asdict
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
+from template.p2p.dht import DHTConfig, hivemind_log_level, start_dht, visible_maddrs
 from template.training.checkpoint import CheckpointError
 from template.training.cli import (
     add_averaging_args,
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("template.allreduce.averager", "template.allreduce.averager_process",
                   "template.allreduce.runner", "template.allreduce.segment_reducer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("hivemind").setLevel(os.environ.get("HIVEMIND_LOGLEVEL", "WARNING"))  # hivemind's own knob
+    hivemind_log_level()
     signal.signal(signal.SIGTERM, _interrupt)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
