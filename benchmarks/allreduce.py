@@ -45,6 +45,7 @@ from benchmarks.common import REPO_ROOT, butterfly_bytes, emit, free_port, machi
 log = logging.getLogger("benchmarks.allreduce")
 
 DEFAULT_CODEC_GOAL = 3.0  # the default codec's time must be <= this many times gloo's float32 time
+ARM_REPLY_MARGIN_S = 60.0  # how long past an all-reduce's bound the host waits for a worker to say its group formed
 
 
 def make_tensor(rank: int, repeat: int, size: int) -> torch.Tensor:
@@ -334,8 +335,10 @@ class HivemindGroup:
         times, encodes, failures, check, cpu = [], [], [], {}, {}
         try:
             for repeat in range(warmup + repeats):
-                stages = self._all(self.timeout_s, cmd="arm", repeat=repeat, matchmaking_time=self.matchmaking_time,
-                                   timeout=self.timeout_s)
+                # a worker whose group did not form answers at its own deadline, with its stage: wait past it, so
+                # that such a round counts as a failed all-reduce instead of ending the benchmark
+                stages = self._all(self.timeout_s + ARM_REPLY_MARGIN_S, cmd="arm", repeat=repeat,
+                                   matchmaking_time=self.matchmaking_time, timeout=self.timeout_s)
                 at = time.time() + 0.3
                 # correctness is checked on the first all-reduce that succeeds (outside the timed window)
                 results = self._all(2 * self.timeout_s, cmd="go", at=at, check=not check, repeat=repeat)
