@@ -25,6 +25,7 @@ from template.allreduce.contribution import (
     statement_bytes,
 )
 from template.allreduce.messages import AveragedSegment
+from template.allreduce.verification import Directions, projections
 
 __all__ = ["AllReduceFaults", "OwnContribution", "RoundTerms", "SegmentLayout"]
 
@@ -74,14 +75,17 @@ class AllReduceFaults:
 
     ``corrupt_segments``: send segment bytes other than the committed ones, with signed statements of them (an
     equivocator: its refusals carry proof). ``lie``: as an owner, return a wrong average (the negated one) to
-    ``"all"`` members or to ``"some"`` (every other member), signing what it sends. ``frame``: as an owner, refuse the
-    first other sender's segments claiming a mismatch, with a forged "proof". ``withhold_from``: as an owner, send the
-    member with that peer id nothing back (a transfer lost on the way: the member must fetch the share elsewhere, the
-    owner's relay included). ``relays=False``: serve no share to a groupmate that missed one, not even our own (with
-    ``withhold_from``: an owner that withholds its share both ways). ``start_late_s``: open our streams to the other
-    owners this many seconds late (a process that stalled right after its group formed). ``begin_late_s``: as a
-    leader, send the first "begin" of this process this many seconds late (a leader whose event loop lagged: a
-    follower whose wait for the word ran out has left, yet the leader counts it in; one follower, once).
+    ``"all"`` members or to ``"some"`` (every other member), signing what it sends; ``"forged"``: to all, with claims
+    forged to fit it (each input claimed to project like the average itself), which the in-round check cannot tell
+    from honest ones — the limit that only the validator's recomputation closes today. ``frame``: as an owner,
+    refuse the first other sender's segments claiming a mismatch, with a forged "proof". ``withhold_from``: as an
+    owner, send the member with that peer id nothing back (a transfer lost on the way: the member must fetch the
+    share elsewhere, the owner's relay included). ``relays=False``: serve no share to a groupmate that missed one,
+    not even our own (with ``withhold_from``: an owner that withholds its share both ways). ``start_late_s``: open
+    our streams to the other owners this many seconds late (a process that stalled right after its group formed).
+    ``begin_late_s``: as a leader, send the first "begin" of this process this many seconds late (a leader whose
+    event loop lagged: a follower whose wait for the word ran out has left, yet the leader counts it in; one
+    follower, once).
     """
 
     corrupt_segments: bool = False
@@ -93,8 +97,8 @@ class AllReduceFaults:
     begin_late_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.lie not in (None, "all", "some"):
-            raise ValueError("lie must be None, 'all' or 'some'")
+        if self.lie not in (None, "all", "some", "forged"):
+            raise ValueError("lie must be None, 'all', 'some' or 'forged'")
         if self.start_late_s < 0 or self.begin_late_s < 0:
             raise ValueError("start_late_s and begin_late_s must be >= 0")
 
@@ -118,13 +122,20 @@ class RoundTerms:
         statement = statement_bytes(self.scope, self.round, segment, leaf_digest(data))
         return data, self.signer.sign(statement) if self.signer is not None else b""
 
-    def told(self, receiver: int, averaged: AveragedSegment, decoded: torch.Tensor) -> AveragedSegment:
+    def told(self, receiver: int, averaged: AveragedSegment, decoded: torch.Tensor, context: bytes) -> AveragedSegment:
         """What an owner sends ``receiver`` (AllReduceFaults.lie: the negated average, with the claims of the true
-        one, to all members — itself too, a consistent liar — or to every other one)."""
+        one, to all members — itself too, a consistent liar — or to every other one; forged: with claims drawn, like
+        a member's check, from ``context`` (the segment's) and the wrong bytes)."""
         lie = self.faults.lie
         if lie is None or (lie == "some" and receiver % 2 == 0):
             return averaged
-        return dataclasses.replace(averaged, data=self.codec.encode_average(-decoded))
+        data = self.codec.encode_average(-decoded)
+        if lie != "forged":
+            return dataclasses.replace(averaged, data=data)
+        wrong = self.codec.decode_average(data, decoded.numel())
+        drawn = Directions(context, hashlib.sha256(data).digest(), wrong.numel(), self.codec.check_directions)
+        fitted = tuple(float(p) for p in projections([wrong], drawn)[0])
+        return dataclasses.replace(averaged, data=data, claims=tuple(fitted for _ in averaged.included))
 
     @property
     def commitments_digest(self) -> bytes:

@@ -253,7 +253,7 @@ def test_auxiliary_peer_receives_the_same_average(dhts):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("lie", [None, "all", "some"])
+@pytest.mark.parametrize("lie", [None, "all", "some", "forged"])
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owner(dhts, codec, lie):
     """Two contributors and an auxiliary (the validator's view). Honest owners: the validator recomputes every
@@ -262,7 +262,10 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
     misses the owner's own claims and drops each of its segments alike — every member, the liar and the auxiliary
     included, holds the correct average with the liar's segments zero (nothing of the lie reaches θ) — and the
     recomputation convicts that owner. An owner that lies to only some: the members' signed certificates conflict,
-    every member refuses the round (θ unchanged, never a mix) and the owner is convicted.
+    every member refuses the round (θ unchanged, never a mix) and the owner is convicted. An owner that negates its
+    averages and forges its claims to fit them: the in-round check cannot tell (issue 20's open limit: no member
+    holds the owner's own input, nor checks what is claimed about its own) — every member applies the lie alike —
+    and only the recomputation convicts it.
     (This test found auxiliaries computing other segment ranges than the senders: template/allreduce/averager.py.)"""
     config = fast_config(compression=codec)
     configs = [config, config, dataclasses.replace(config, auxiliary=True)]
@@ -298,12 +301,15 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
     assert owned_by_liar, validator.evidence.ranges
     flat = torch.cat([t.reshape(-1) for t in expected])
     for k in owned_by_liar:
-        flat[k * SEGMENT_VALUES:(k + 1) * SEGMENT_VALUES] = 0.0
+        flat[k * SEGMENT_VALUES:(k + 1) * SEGMENT_VALUES] *= -1.0 if lie == "forged" else 0.0  # negated, or dropped
+    held = [t.reshape(shape) for t, shape in zip(flat.split([s.numel() for s in SHAPES]), SHAPES, strict=True)]
     for result in results:
-        assert sorted(result.evidence.refuted()) == owned_by_liar, result.evidence.refuted()
-        assert all("claims" in why for why in result.evidence.refuted().values())
-        dropped = [t.reshape(shape) for t, shape in zip(flat.split([s.numel() for s in SHAPES]), SHAPES, strict=True)]
-        assert max_error(result.averaged, dropped) <= codec_tolerance(codec, deltas)
+        if lie == "forged":  # the lie reaches θ: nothing in the round refutes it
+            assert result.evidence.refuted() == {}, result.evidence.refuted()
+        else:
+            assert sorted(result.evidence.refuted()) == owned_by_liar, result.evidence.refuted()
+            assert all("claims" in why for why in result.evidence.refuted().values())
+        assert max_error(result.averaged, held) <= codec_tolerance(codec, deltas)
 
 
 @pytest.mark.timeout(120)
