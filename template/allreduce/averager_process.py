@@ -64,7 +64,7 @@ from template.allreduce.terms import AllReduceFaults, OwnContribution, RoundTerm
 from template.p2p.hivemind_compat import OwnAllReduceHooks
 from template.p2p.ratelimit import RateLimiter
 
-__all__ = ["CheckedAverager", "ContributionBuffer", "StateProvider", "parse_group"]
+__all__ = ["CheckedAverager", "ContributionBuffer", "StateProvider", "parse_group", "renew_torch_thread_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,21 @@ def parse_group(group_info: GroupInfo) -> list[Member]:
     return members
 
 
+def renew_torch_thread_pool() -> None:
+    """Re-make torch's intra-op thread pool in a freshly forked process, from its only thread, before others start.
+
+    Why: at a fork torch marks the pool the child inherited as unusable and replaces it on its first use; when
+    several new threads make that first use at once (the runner's executor threads decoding, checking and averaging
+    segments), one can read the pool in the middle of its replacement and fail with "pool INTERNAL ASSERT FAILED ...
+    Invalid thread pool!" (torch 2.13: 26 of 1,000 forked children whose 32 threads start at once; 0 of 1,000 after
+    this call). In the averager it failed an owner's first segment, and every member of that group received 76.0 %
+    of the averages and refused the round (``benchmarks.allreduce``, 4 peers, 1 run in ~20; the "first all-reduce of a
+    fresh averager" stalls of docs/benchmarks.md §2 had the same message). hivemind's own guard (it serves from a
+    second thread) avoids OpenMP's broken pool, not this race.
+    """
+    torch.set_num_threads(torch.get_num_threads())
+
+
 class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
     """A ``DecentralizedAverager`` that runs :class:`CheckedAllReduceRunner` and refuses partial results.
 
@@ -183,6 +198,11 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         self._runner_output: torch.Tensor | None = None
         self._begun_late = False  # AllReduceFaults.begin_late_s: this process sent its late "begin"
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    def run(self) -> None:
+        """The averager process (forked by ``start``): torch's thread pool is made whole before any thread starts."""
+        renew_torch_thread_pool()
+        super().run()
 
     # hivemind derives each handler's wire form from its annotations and recognizes typing's AsyncIterator only
     async def rpc_join_group(
