@@ -18,15 +18,14 @@ import queue
 import signal
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from template.p2p.dht import hivemind_log_level
 from template.p2p.simulated_link import LinkSpec, LinkStats, SimulatedNetwork
+from template.training.cli import log_to_stderr
 from template.training.data import STDLIB_SOURCE, names_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +37,8 @@ log = logging.getLogger("benchmarks")
 
 
 def setup_logging() -> None:
-    """Logs to stderr (stdout carries the one JSON result); hivemind's chatter only from warnings up, unless
-    ``HIVEMIND_LOGLEVEL`` asks for more."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    hivemind_log_level()
-    for noisy in ("template.allreduce.averager", "template.allreduce.averager_process",
-                  "template.allreduce.runner", "template.allreduce.segment_reducer"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """Logs to stderr (stdout carries the one JSON result), as the engine's CLI logs."""
+    log_to_stderr()
 
 
 def benchmark_parser(name: str, description: str, quick_help: str) -> argparse.ArgumentParser:

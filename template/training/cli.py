@@ -8,11 +8,14 @@ for the engine and one configured for the subnet cannot silently differ.
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from template.allreduce.averager import AveragingConfig
 from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, SparseSettings, get_codec
+from template.p2p.dht import hivemind_log_level
 from template.training.data import DataConfig
 from template.training.inner import InnerConfig
 from template.training.model import MODEL_PRESETS
@@ -20,6 +23,16 @@ from template.training.outer import PLAIN_OUTER, OuterConfig, default_outer, out
 from template.training.spec import RunSpec
 
 Spelling = Callable[[str, str], str]  # (group, name) -> flag; names read well in both spellings
+
+
+def log_to_stderr() -> None:
+    """INFO logs to stderr for a program that runs peers (the engine's CLI, the benchmarks): the all-reduce's
+    per-segment chatter and hivemind's only from warnings up, unless ``HIVEMIND_LOGLEVEL`` asks hivemind for more."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for noisy in ("template.allreduce.averager", "template.allreduce.averager_process",
+                  "template.allreduce.runner", "template.allreduce.segment_reducer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    hivemind_log_level()
 
 
 def dashed(group: str, name: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from template.p2p.dht import DHTConfig, hivemind_log_level, start_dht, visible_maddrs
+from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
 from template.training.checkpoint import CheckpointError
 from template.training.cli import (
     add_averaging_args,
@@ -32,6 +32,7 @@ from template.training.cli import (
     averaging_flags_from,
     codec_from,
     data_config_from,
+    log_to_stderr,
     run_spec_from,
 )
 from template.training.diloco import DiLoCoPeer, RunMismatchError
@@ -85,11 +86,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("template.allreduce.averager", "template.allreduce.averager_process",
-                  "template.allreduce.runner", "template.allreduce.segment_reducer"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    hivemind_log_level()
+    log_to_stderr()
     signal.signal(signal.SIGTERM, _interrupt)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
