@@ -372,7 +372,7 @@ class CheckedAllReduceRunner:
             self.kept.keep(sender, segment, self.own.segments[segment])
             contribution = Contribution(sender, SegmentInput(sender, self.own.segments[segment], self.weight))
             result = await self.reducer.accumulate(contribution, offset)
-            averaged = self.terms.told(self.my_index, result.averaged, result.decoded, self.check.context_of(segment))
+            averaged = self.terms.told(self.my_index, segment, result.averaged, result.decoded, self.check)
             honest = averaged is result.averaged  # else AllReduceFaults told a lie: check it as every member does
             drawn, result.drawn = result.drawn, None  # needed once, here; the reducer keeps its results all round
             admitted = await asyncio.get_event_loop().run_in_executor(
@@ -505,8 +505,7 @@ class CheckedAllReduceRunner:
                         excluded = True
                 if excluded:  # an auxiliary's messages are placeholders; so are a banned sender's from now on
                     result = await reducer.result(offset)
-                context = self.check.context_of(start + offset)  # what a forged lie draws its claims from
-                averaged = self.terms.told(receiver, result.averaged, result.decoded, context)
+                averaged = self.terms.told(receiver, start + offset, result.averaged, result.decoded, self.check)
                 packed = averaged.pack(len(self.sender_peer_ids))
                 sent.append(packed)
                 offset += 1

@@ -25,7 +25,7 @@ from template.allreduce.contribution import (
     statement_bytes,
 )
 from template.allreduce.messages import AveragedSegment
-from template.allreduce.verification import Directions, projections
+from template.allreduce.verification import SegmentCheck, projections
 
 __all__ = ["AllReduceFaults", "OwnContribution", "RoundTerms", "SegmentLayout"]
 
@@ -122,10 +122,11 @@ class RoundTerms:
         statement = statement_bytes(self.scope, self.round, segment, leaf_digest(data))
         return data, self.signer.sign(statement) if self.signer is not None else b""
 
-    def told(self, receiver: int, averaged: AveragedSegment, decoded: torch.Tensor, context: bytes) -> AveragedSegment:
-        """What an owner sends ``receiver`` (AllReduceFaults.lie: the negated average, with the claims of the true
-        one, to all members — itself too, a consistent liar — or to every other one; forged: with claims drawn, like
-        a member's check, from ``context`` (the segment's) and the wrong bytes)."""
+    def told(self, receiver: int, segment: int, averaged: AveragedSegment, decoded: torch.Tensor,
+             check: SegmentCheck) -> AveragedSegment:
+        """What an owner sends ``receiver`` of ``segment`` (AllReduceFaults.lie: the negated average, with the claims
+        of the true one, to all members — itself too, a consistent liar — or to every other one; forged: with claims
+        on the directions ``check`` draws for the wrong bytes, as every member's check will)."""
         lie = self.faults.lie
         if lie is None or (lie == "some" and receiver % 2 == 0):
             return averaged
@@ -133,8 +134,7 @@ class RoundTerms:
         if lie != "forged":
             return dataclasses.replace(averaged, data=data)
         wrong = self.codec.decode_average(data, decoded.numel())
-        drawn = Directions(context, hashlib.sha256(data).digest(), wrong.numel(), self.codec.check_directions)
-        fitted = tuple(float(p) for p in projections([wrong], drawn)[0])
+        fitted = tuple(float(p) for p in projections([wrong], check.directions(segment, data, wrong.numel()))[0])
         return dataclasses.replace(averaged, data=data, claims=tuple(fitted for _ in averaged.included))
 
     @property

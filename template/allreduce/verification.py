@@ -150,9 +150,10 @@ class SegmentCheck:
         (:func:`template.allreduce.reduction.weight_cap`); None for a sender whose announcement was malformed."""
         self.codec, self.context, self.weights = codec, context, tuple(weights)
 
-    def context_of(self, segment: int) -> bytes:
-        """What ``segment``'s directions are drawn from, besides its averaged bytes."""
-        return segment_context(self.context, segment)
+    def directions(self, segment: int, data: bytes, numel: int) -> Directions:
+        """The directions every member draws for ``segment`` averaged as ``data`` (``numel`` values)."""
+        return Directions(segment_context(self.context, segment), hashlib.sha256(data).digest(), numel,
+                          self.codec.check_directions)
 
     def admit(self, owner: int, segment: int, averaged: AveragedSegment, numel: int,
               decoded: torch.Tensor | None = None, drawn: Directions | None = None) -> Admitted:
@@ -165,8 +166,7 @@ class SegmentCheck:
         if not all_finite(decoded):
             raise CodecError(f"owner {owner}'s average is not finite")
         if drawn is None:
-            drawn = Directions(self.context_of(segment), hashlib.sha256(averaged.data).digest(), decoded.numel(),
-                               self.codec.check_directions)
+            drawn = self.directions(segment, averaged.data, decoded.numel())
         if refuted := self.refutation(averaged, decoded, drawn):
             logger.warning("owner %d's segment %d is dropped by every member: %s", owner, segment, refuted)
             return Admitted(torch.zeros_like(decoded), refuted, drawn.digest)
