@@ -8,6 +8,10 @@ publish something else: validators then see that it is not what went into the al
 permit to fetch; checkpoint. A miner that joins late or missed rounds skips to the chain's
 round and re-syncs θ from peers first.
 
+With ``--run.overlap`` (every neuron of the run alike) round r's all-reduce runs while round r+1 trains: training
+goes on until just before the round's last block, and the call that trains round r+1 lands round r (its outer step,
+publication and report come then, one round later; the publication still names the θ round r trained from).
+
 A multi-GPU miner runs under ``torchrun``: rank 0 (the leader) alone talks to the chain and hivemind; each round it
 broadcasts (go, round, train-until, finish-by) to the other ranks, which train data-parallel in lockstep.
 
@@ -108,16 +112,28 @@ class Miner:
             if not go:
                 break
             plan = self.peer.plan(round, train_until=train_until_ms / 1000, finish_by=finish_by_ms / 1000)
-            outcome = self.peer.run_round(self.behaviour.plan(plan), self.behaviour.contribution)
-            self.behaviour.after_round(outcome)
-            if self.ctx is not None:
-                self._publish(outcome)
-                self._refresh_directory()  # who may fetch, and who to average with, as of this round
-                self.ctx.join_peers(self._directory)
-                self._report(outcome)
+            # with --run.overlap, the outcome of the round before (None after the first): its all-reduce ran while
+            # this round trained
+            self._finish(self.peer.run_round(self.behaviour.plan(plan), self.behaviour.contribution))
             target = round + 1
             done += 1
+        # overlap: the last round's all-reduce is due by its deadline; SIGINT/SIGTERM give it up, the end of
+        # --neuron.max_rounds and SIGUSR1 (stop after the round in progress) land it. The leader decides for all.
+        finish = not self.stop.is_set() or self.stop.finish_round
+        if self.node.broadcast_int(int(self.peer.spec.overlap and finish)):
+            self._finish(self.peer.land_last_round())
         return done
+
+    def _finish(self, outcome: RoundOutcome | None) -> None:
+        """After a round landed: the behaviour sees it, the leader publishes it and reports it."""
+        if outcome is None:
+            return
+        self.behaviour.after_round(outcome)
+        if self.ctx is not None:
+            self._publish(outcome)
+            self._refresh_directory()  # who may fetch, and who to average with, as of this round
+            self.ctx.join_peers(self._directory)
+            self._report(outcome)
 
     def _next_round(self, target: int, done: int, max_rounds: int) -> list[int]:
         """Leader: wait for round ``target`` and say when to stop training and finish; others: placeholders."""

@@ -88,7 +88,9 @@ class StopFlag:
     (after the round's checkpoint), so both signals end the neuron there. They differ in who receives them: a stop
     sent to the neuron's whole process group or tree (Ctrl-C, the local network, ``pm2 stop``) also reaches the
     p2p daemon, which dies of it, so an all-reduce in flight fails and the round keeps the old θ; the auto-updater
-    sends SIGUSR1 to the neuron's own process only, so the round in progress ends normally.
+    sends SIGUSR1 to the neuron's own process only, so the round in progress ends normally. With overlap the round in
+    progress includes the all-reduce still in flight: after SIGUSR1 a miner lands it (by its deadline, a round at
+    most) and reports it; after SIGINT/SIGTERM it gives it up (its daemon is gone or going).
 
     hivemind's Python helpers (the DHT and averager processes) are forked from the neuron and inherit these
     handlers: a group signal only sets their copy of the flag, which nothing reads there. They are left running on
@@ -99,14 +101,20 @@ class StopFlag:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self.finish_round = False  # SIGUSR1 alone: an overlapped round's all-reduce in flight is landed too
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self._event.set())
+            signal.signal(sig, lambda *_: self._now())
         signal.signal(signal.SIGUSR1, lambda *_: self._after_round())
+
+    def _now(self) -> None:
+        self.finish_round = False
+        self._event.set()
 
     def _after_round(self) -> None:
         log.info("SIGUSR1: stopping after the round in progress (its checkpoint included)")
+        self.finish_round = not self._event.is_set()
         self._event.set()
 
     def set(self) -> None:
@@ -164,7 +172,8 @@ def allreduce_grace(round_s: float, allreduce_fraction: float) -> float:
 class RoundClock:
     """Rounds from chain blocks: round r spans blocks [r·B, (r+1)·B)."""
 
-    def __init__(self, chain: ChainClient, blocks_per_round: int, allreduce_fraction: float) -> None:
+    def __init__(self, chain: ChainClient, blocks_per_round: int, allreduce_fraction: float,
+                 overlap: bool = False) -> None:
         if blocks_per_round < 2:
             raise ValueError("--neuron.blocks_per_round must be at least 2")
         if not 0 <= allreduce_fraction < 0.5:
@@ -172,29 +181,41 @@ class RoundClock:
         self.chain = chain
         self.blocks_per_round = blocks_per_round
         self.allreduce_fraction = allreduce_fraction
+        self.overlap = overlap  # the run's all-reduces run while the next round trains (RunSpec.overlap)
         self.seconds_per_block = chain.block_time()
 
     def phases(self, now: RoundTime, matchmaking_time: float) -> tuple[float, float]:
         """(train_until, finish_by) of the round, as time.time() values: every neuron derives the same ones.
 
-        Training stops ``matchmaking_time + grace`` before the round's last block, and the all-reduce may run
-        ``grace`` past it (the next round then trains a little less), with grace = max(2 s, fraction × round).
+        Blocking: training stops ``matchmaking_time + grace`` before the round's last block, and the all-reduce may
+        run ``grace`` past it (the next round then trains a little less), with grace = max(2 s, fraction × round).
+        Overlap (``--run.overlap``): the all-reduce runs while the next round trains, so training goes on until
+        ``grace`` before the last block (time to land the round before, whose all-reduce is due then, and to hand
+        this one over) and the all-reduce may run until the next round's training ends, when it is landed.
         """
         grace = self._grace()
+        if self.overlap:
+            return now.round_end - grace, now.round_end + self.round_s - grace
         return now.round_end - matchmaking_time - grace, now.round_end + grace
 
     @property
     def allreduce_phase_s(self) -> float:
-        """How long a round's all-reduce may take: ``grace`` on each side of the round's last block."""
-        return 2 * self._grace()
+        """How long a round's all-reduce may take: ``grace`` on each side of the round's last block (overlap: a
+        round)."""
+        return self.round_s if self.overlap else 2 * self._grace()
+
+    @property
+    def round_s(self) -> float:
+        """Seconds per round."""
+        return self.blocks_per_round * self.seconds_per_block
 
     @property
     def round_timeout_s(self) -> float:
         """How long to wait for the next round before giving up on the chain (four rounds and a minute)."""
-        return 4 * self.blocks_per_round * self.seconds_per_block + 60
+        return 4 * self.round_s + 60
 
     def _grace(self) -> float:
-        return allreduce_grace(self.blocks_per_round * self.seconds_per_block, self.allreduce_fraction)
+        return allreduce_grace(self.round_s, self.allreduce_fraction)
 
     def now(self) -> RoundTime:
         block = self.chain.block()
@@ -292,7 +313,7 @@ def start_neuron(config: NeuronConfig, stop: StopFlag) -> NeuronContext:
     wallet_config = config.chain.wallet
     wallet = open_wallet(wallet_config.name, wallet_config.hotkey, wallet_config.path)
     chain = ChainClient.connect(config.chain.subtensor.network, config.chain.netuid)
-    clock = RoundClock(chain, config.neuron.blocks_per_round, config.neuron.allreduce_fraction)
+    clock = RoundClock(chain, config.neuron.blocks_per_round, config.neuron.allreduce_fraction, config.run.overlap)
     graph = chain.metagraph()
     uid = chain.require_uid(wallet.hotkey.ss58_address, graph)
     directory = peer_directory(graph)

@@ -20,6 +20,11 @@ Each chain round r (blocks [r·B, (r+1)·B)):
 Scoring must end before the miners' all-reduce of round r begins (the validator takes part in it): miners not scored
 by then are scored first in a later round (the book's rotation).
 
+With ``--run.overlap`` round r's all-reduce runs while round r+1 trains and lands at the end of its training, when
+the miners publish round r: the validator scores round r during round r+2, against the θ round r's average was
+applied to (G_r: round r−1's step taken), with the same arithmetic as blocking — G_r − Δ against G_r and its free
+updates. Publications still name the θ round r trained from (G_{r−1}). docs/validation.md, "Overlap".
+
 On failure: a miner that cannot be fetched (refused, timed out, not published) scores 0 for the round; a failed
 all-reduce makes the validator re-sync θ from peers next round, judge that round without Δ̄ and participation and pay
 nobody for it (nobody is penalized for what the validator could not see, nobody paid for what it could not check);
@@ -77,11 +82,11 @@ FETCH_RETRY_S = 2.0  # a miner that has not published yet is asked again after t
 
 @dataclass
 class PendingRound:
-    """Round r as the validator lived it, kept until it is scored during round r+1."""
+    """Round r as the validator lived it, kept until it is scored during round r+1 (overlap: r+2)."""
 
     round: int
-    theta: list[torch.Tensor]
-    theta_hash: str
+    theta: list[torch.Tensor]  # the θ round r's average was applied to: θ_r (overlap: G_r, round r−1's step taken)
+    theta_hash: str  # the θ round r trained from, which every publication of the round names: θ_r (overlap: G_{r−1})
     averaged: list[torch.Tensor] | None
     result: AveragingResult | None
     directory: PeerDirectory
@@ -155,15 +160,16 @@ class Validator:
             if pending is not None:
                 self._score(pending, free_average, scoring_deadline=train_until - SCORING_MARGIN_S)
             plan = self.peer.plan(now.round, train_until=train_until, finish_by=finish_by).auxiliary()
-            outcome = self.peer.run_round(plan)
-            report = outcome.report
+            outcome = self.peer.run_round(plan)  # --run.overlap: the round before's, landed (None: nothing was)
             # Δ̄ of the round just scored is free for every miner of the next one; θ and the rest are let go
             free_average = (pending.round, pending.averaged) if pending is not None else None
-            pending = PendingRound.of(outcome, self.directory)
-            self.ctx.emit("synced", uid=self.ctx.uid, round=report.round, theta_hash=report.theta_hash,
-                          heldout_loss=report.heldout_loss, allreduce_ok=report.allreduce_ok,
-                          group_size=report.group_size, group_hotkeys=self._group_hotkeys(pending),
-                          allreduce_s=report.allreduce_s, bytes_sent=report.bytes_sent)
+            pending = PendingRound.of(outcome, self.directory) if outcome is not None else None
+            if outcome is not None:
+                report = outcome.report
+                self.ctx.emit("synced", uid=self.ctx.uid, round=report.round, theta_hash=report.theta_hash,
+                              heldout_loss=report.heldout_loss, allreduce_ok=report.allreduce_ok,
+                              group_size=report.group_size, group_hotkeys=self._group_hotkeys(pending),
+                              allreduce_s=report.allreduce_s, bytes_sent=report.bytes_sent)
             self.directory = self.ctx.directory()
             self.ctx.join_peers(self.directory)
             target, done = now.round + 1, done + 1

@@ -89,6 +89,7 @@ class LocalnetConfig:
     dashboard: bool = False  # every neuron serves its dashboard on a free port of 127.0.0.1
     link_mbit: float | None = None  # every neuron behind a simulated access link (a test knob: simulated_link.py)
     link_latency_ms: float = 0.0
+    overlap: bool = True  # every neuron trains the next round while a round's all-reduce runs (--run.overlap)
 
     def miner_behaviours(self) -> list[str]:
         return list(self.behaviours) or [HONEST] * self.miners
@@ -195,6 +196,7 @@ def neuron_command(config: LocalnetConfig, neuron: NeuronInfo, url: str, out: Pa
     ]
     if config.compression:
         command += ["--averaging.compression", config.compression]
+    command += ["--run.overlap" if config.overlap else "--no-run.overlap"]
     if neuron.role == "miner":
         command += ["--miner.behaviour", str(neuron.behaviour)]
     if dashboard_port:
@@ -414,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--matchmaking-time", type=float, default=defaults.matchmaking_time)
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=defaults.overlap,
+                        help="every neuron trains the next round while a round's all-reduce runs (--run.overlap, "
+                             "the default: a round is published and scored one round later); --no-overlap blocks")
     parser.add_argument("--dashboard", action="store_true",
                         help="every neuron serves its live web dashboard on a free port of 127.0.0.1 (addresses "
                              "printed at start)")
@@ -461,7 +466,7 @@ def config_from_args(argv: list[str] | None) -> LocalnetConfig:
         seconds_per_block=args.seconds_per_block, tempo=args.tempo, compression=args.compression,
         inner_steps=args.inner_steps, seq_len=args.seq_len, matchmaking_time=args.matchmaking_time,
         timeout_s=args.timeout, dashboard=args.dashboard, link_mbit=args.link_mbit,
-        link_latency_ms=args.link_latency_ms,
+        link_latency_ms=args.link_latency_ms, overlap=args.overlap,
     )
 
 

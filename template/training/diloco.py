@@ -295,6 +295,8 @@ class DiLoCoPeer:
             theta_hash = self.outer.theta_hash()
         # round r's all-reduce starts once round r−1's outer step is taken: its group compares the θ that its
         # average will be applied to (a member that missed round r−1's step holds another and will not apply it)
+        if not plan.contributes:  # what a validator scores the round against: the θ its average is applied to
+            trained = replace(trained, base=[t.clone() for t in self.outer.params()])
         begun_at = time.time()
         handle = self._begin(trained, theta_hash)
         pending = None if handle is None else self.averager.finish_in_background(
@@ -343,7 +345,7 @@ class DiLoCoPeer:
         else:
             load_into(self.model, start)  # θ_local ← the start point (overlap)
         base_hash = self.outer.theta_hash()
-        base = None if plan.contributes else [t.clone() for t in self.outer.params()]
+        base = None if plan.contributes or self.spec.overlap else [t.clone() for t in self.outer.params()]
         log.info("round %d starts from θ %s", r, base_hash[:12])
         stats = train_in_chunks(self.inner, self.node, self._rank_batches(list(plan.windows)), plan.max_steps,
                                 plan.train_until, self.on_progress, r)

@@ -75,7 +75,9 @@ class RoundOutcome:
     """Everything that happened in one round, as this peer saw it.
 
     ``base`` is θ_r itself (a copy) for plans that do not contribute — a validator scores round r's pseudo-gradients
-    against it after the peer has moved on — and None for contributors, which need not pay a copy of the model.
+    against it after the peer has moved on — and None for contributors, which need not pay a copy of the model. With
+    overlap it is the θ round r's average was applied to (G_r: θ_r with round r−1's step taken), and
+    ``report.base_theta_hash`` still names the θ round r trained from (G_{r−1}), which publications name too.
     ``delta`` is this peer's Δ = θ_r − θ_local (None on ranks other than the node's leader and for plans that do not
     contribute); ``averaged`` the group's Δ̄ when this peer took the outer step with it, else None; ``averaging`` the
     all-reduce as this peer saw it (the group, every member's announced weight, who made it into the average).

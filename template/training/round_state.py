@@ -59,7 +59,8 @@ class Trained:
 
     plan: RoundPlan
     base_hash: str  # θ the round started from: its Δ is measured from it on every peer of the group
-    base: Tensors | None  # a copy of that θ, for plans that do not contribute
+    base: Tensors | None  # for plans that do not contribute, a copy of the θ the average is applied to: that θ
+    # (overlap: the θ when the all-reduce began, the round before's step taken)
     stats: Stats
     delta: Tensors | None
     contribution: EncodedContribution | None

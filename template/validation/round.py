@@ -104,9 +104,10 @@ class Verdict:
 
 @dataclass(frozen=True)
 class RoundContext:
-    """What the validator knows of round r: θ_r, its hash, Δ̄_r (None if its all-reduce failed), the block window,
-    and Δ̄_{r−1}, the freshest average every miner held for free when round r began (None when the validator did
-    not apply it)."""
+    """What the validator knows of round r: θ_r, the hash of the θ its publications must name, Δ̄_r (None if its
+    all-reduce failed), the block window, and Δ̄_{r−1}, the freshest average every miner held for free when it
+    committed (None when the validator did not apply it). With overlap θ is the θ Δ̄_r was applied to (G_r) and the
+    hash names the θ round r trained from (G_{r−1}); blocking, both are θ_r."""
 
     round: int
     theta: list[torch.Tensor]

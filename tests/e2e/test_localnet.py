@@ -27,7 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def localnet(out: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "template.localnet", "--out", str(out), "--miners", "2", "--rounds", "2", *flags]
+    # 15 s rounds: overlapped (the default) a miner trains until 2 s before a round's end, as long as blocking
+    # 20 s rounds let it
+    return [sys.executable, "-m", "template.localnet", "--out", str(out), "--miners", "2", "--rounds", "2",
+            "--blocks-per-round", "30", *flags]
 
 
 def leftovers(out: Path) -> list[str]:
@@ -87,6 +90,12 @@ def test_two_miners_and_a_validator_train_set_weights_and_pass_the_checks(tmp_pa
     assert report["checks"] == dict(loss_fell=True, models_identical=True, weights_on_chain=True)
     rounds = report["rounds"]
     assert len(rounds) >= 2 and rounds[-1]["heldout_loss"] < rounds[0]["heldout_loss"]
+    # overlapped (the default): each round's all-reduce ran while the next round trained, and was over when that
+    # training ended, so training never stood still for it (blocking, it waits for the whole all-reduce)
+    assert report["run"]["overlap"] is True
+    reported = [event for path in out.glob("miner*.events") for event in map(json.loads, path.read_text().splitlines())
+                if event["event"] == "round"]
+    assert len(reported) >= 4 and all(event["allreduce_wait_s"] < 0.5 for event in reported), reported
     assert all(len(row["theta_hashes"]) == 1 and row["group_size"] >= 2 and row["bytes_per_peer"] > 0
                for row in rounds)
     neurons = report["neurons"]

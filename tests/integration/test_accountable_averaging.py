@@ -27,7 +27,7 @@ from tests.integration.adversarial_network import AdversarialNetwork, NetworkSet
 from tests.integration.neuron_processes import events
 
 RUN = ("--run.inner_steps", "20", "--run.warmup_steps", "20", "--averaging.matchmaking_time", "4")
-SETTINGS = NetworkSettings(netuid=5, seconds_per_block=0.5, blocks_per_round=40, tempo=20, judged_rounds=7,
+SETTINGS = NetworkSettings(netuid=5, seconds_per_block=0.5, blocks_per_round=30, tempo=20, judged_rounds=7,
                            data="stdlib", run_args=RUN)
 HONEST = {name: ("--miner.behaviour", "honest") for name in ("honest-a", "honest-b", "honest-c")}
 ATTACKERS = {

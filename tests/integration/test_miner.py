@@ -66,7 +66,9 @@ def test_two_miners_train_together_publish_and_stop_cleanly(tmp_path):
             assert "btcli subnets register" in unregistered.stderr
 
             for name in ("miner1", "miner2"):
-                command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "3")
+                # overlapped (the default) a round is reported one round after it trained: rounds enough that both
+                # still run, and serve, while the fetches below come after the first common round's report
+                command = miner_command(name, tmp_path, server.url, "--neuron.max_rounds", "5")
                 miners[name] = start_process(command, tmp_path / f"{name}.log", env)
             def first_common_round():
                 """Both miners' reports of the first round both finished (a miner that became ready a round
