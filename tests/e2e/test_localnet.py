@@ -69,11 +69,14 @@ def last_scored(out: Path) -> list[dict]:
     return [{k: row.get(k) for k in ("uid", "score", "reason", "fetched_bytes")} for row in scored[-1]["miners"]]
 
 
+def miner_rounds(out: Path) -> list[dict]:
+    """Every ``round`` event of every miner."""
+    return [event for path in out.glob("miner*.events") for line in path.read_text().splitlines() if line.strip()
+            if (event := json.loads(line)).get("event") == "round"]
+
+
 def first_round_reported(out: Path) -> bool:
-    for events in out.glob("miner*.events"):
-        if any(json.loads(line).get("event") == "round" for line in events.read_text().splitlines() if line.strip()):
-            return True
-    return False
+    return bool(miner_rounds(out))
 
 
 @pytest.mark.timeout(600)
@@ -93,8 +96,7 @@ def test_two_miners_and_a_validator_train_set_weights_and_pass_the_checks(tmp_pa
     # overlapped (the default): each round's all-reduce ran while the next round trained, and was over when that
     # training ended, so training never stood still for it (blocking, it waits for the whole all-reduce)
     assert report["run"]["overlap"] is True
-    reported = [event for path in out.glob("miner*.events") for event in map(json.loads, path.read_text().splitlines())
-                if event["event"] == "round"]
+    reported = miner_rounds(out)
     assert len(reported) >= 4 and all(event["allreduce_wait_s"] < 0.5 for event in reported), reported
     assert all(len(row["theta_hashes"]) == 1 and row["group_size"] >= 2 and row["bytes_per_peer"] > 0
                for row in rounds)
@@ -141,16 +143,16 @@ def test_a_sparse_network_trains_scores_and_fetches_a_fiftieth_of_fp16(tmp_path)
     assert len(rows) >= 2 and all(row["reason"] == "" for row in rows), rows
     assert any(event["paid"] and any(row["score"] > 0 for row in event["miners"]) for event in scored), scored
     # every average over the kept values is checked in the round against its owner's claims: no honest one dropped
-    rounds = [event for path in out.glob("miner*.events") for event in map(json.loads, path.read_text().splitlines())
-              if event["event"] == "round" and event["allreduce_ok"]]
+    rounds = [event for event in miner_rounds(out) if event["allreduce_ok"]]
     assert len(rounds) >= 4 and all(event["segments_refuted"] == 0 for event in rounds), rounds
 
 
 @pytest.mark.timeout(400)
 def test_ctrl_c_stops_every_process(tmp_path):
     out = tmp_path / "run"
-    # short rounds: the first one ends sooner (whether the miners agree does not matter here)
-    command = localnet(out, "--rounds", "50", "--blocks-per-round", "16")
+    # short rounds: the first one ends sooner (whether the miners agree does not matter here); blocking, the neurons'
+    # other mode (--no-run.overlap), which the other network tests leave out, runs to its first reported round
+    command = localnet(out, "--rounds", "50", "--blocks-per-round", "16", "--no-overlap")
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     try:
@@ -159,6 +161,8 @@ def test_ctrl_c_stops_every_process(tmp_path):
             time.sleep(1)
         assert process.poll() is None, process.communicate()[0][-4000:]
         assert first_round_reported(out), "no miner finished a round in 300 s"
+        rounds = miner_rounds(out)
+        assert all(event["allreduce_wait_s"] == event["allreduce_s"] for event in rounds), rounds  # it waited
         assert leftovers(out)  # the marker does find the running network
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=30)
