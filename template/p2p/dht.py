@@ -136,17 +136,27 @@ def connect_peers(dht: hivemind.DHT, maddrs: list[str], timeout_s: float = 15.0)
 
     Neurons bootstrap from the axons on chain when they start, but two neurons that start at the same moment see
     each other's axon only later: calling this with the current axons every round joins the DHTs together. A peer
-    that cannot be dialed is skipped (logged); the whole call is bounded by ``timeout_s``.
+    that cannot be dialed is skipped (logged), each dial is bounded inside the DHT process, and the whole call by
+    ``timeout_s``: a join that runs out of time is logged and counts no peer, for joining is best effort every round.
+    It must never stop a neuron: a dial that hung (the DHT process left a pending call unanswered, seen on a loaded
+    machine while an overlapped all-reduce used the same DHT) once ended a miner with a bare TimeoutError, which the
+    neuron read as an unreachable chain.
     """
     own = str(dht.peer_id)
     targets = [maddr for maddr in maddrs if Multiaddr(maddr)["p2p"] != own]
     if not targets:
         return 0
-    return dht.run_coroutine(partial(_dial_all, maddrs=targets), return_future=True).result(timeout=timeout_s)
+    future = dht.run_coroutine(partial(_dial_all, maddrs=targets, timeout_s=timeout_s / 2), return_future=True)
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError:
+        logger.warning("dialing %d peers took more than %.0f s: going on with the peers already known",
+                       len(targets), timeout_s)
+        return 0
 
 
-async def _dial_all(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str]) -> int:
-    """Runs inside the DHT process (hence module-level, with plain-string arguments)."""
+async def _dial_all(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str], timeout_s: float) -> int:
+    """Runs inside the DHT process (hence module-level, with plain-string arguments); each peer within ``timeout_s``."""
 
     async def reach(maddr: str) -> bool:
         address = Multiaddr(maddr)
@@ -158,7 +168,14 @@ async def _dial_all(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str]) -> int
             logger.info("could not reach peer at %s: %r", maddr, e)
             return False
 
-    return sum(await asyncio.gather(*(reach(maddr) for maddr in maddrs)))
+    async def bounded(maddr: str) -> bool:
+        try:
+            return await asyncio.wait_for(reach(maddr), timeout_s)
+        except asyncio.TimeoutError:
+            logger.info("could not reach peer at %s within %.0f s", maddr, timeout_s)
+            return False
+
+    return sum(await asyncio.gather(*(bounded(maddr) for maddr in maddrs)))
 
 
 def rejoin_connected_peers(dht: hivemind.DHT) -> MPFuture:

@@ -14,12 +14,13 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -705,6 +706,28 @@ def test_nodes_started_apart_join_through_connect_peers():
     finally:
         first.shutdown()
         second.shutdown()
+
+    # a peer that accepts the connection and never answers (a hung dial) costs the join its bound, not the neuron:
+    # the join counts it as unreached (it once raised a bare TimeoutError, which ended a miner as "cannot reach the
+    # chain")
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.listen()
+        hung = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{first.peer_id}"
+        lone = start_dht()
+        try:
+            started = time.monotonic()
+            assert connect_peers(lone, [hung], timeout_s=4.0) == 0
+            assert time.monotonic() - started < 8.0
+        finally:
+            lone.shutdown()
+
+    class Unanswered:  # a DHT process that never answers the call at all (its task lost): the host's own bound
+        peer_id = "none"
+
+        def run_coroutine(self, coro, return_future):
+            return Future()
+
+    assert connect_peers(Unanswered(), [hung], timeout_s=0.5) == 0
 
     # a bootstrap peer that does not exist: every attempt fails fast, then one clean error
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
