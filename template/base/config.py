@@ -76,7 +76,8 @@ class NeuronSettings:
     blocks_per_round: int = _help("chain blocks per DiLoCo round (every neuron of the subnet must agree)", default=25)
     allreduce_fraction: float = _help(
         "share of a round kept for the all-reduce on each side of the round's last block: training stops that long "
-        "(plus the matchmaking time) before it, and the all-reduce may run that long past it",
+        "(plus the matchmaking time) before it, and the all-reduce may run that long past it (overlapped: training "
+        "stops that long before it, and the all-reduce may run until the next round's training ends)",
         default=DEFAULT_ALLREDUCE_FRACTION)
     max_rounds: int = _help("stop after this many rounds (0 = run until stopped)", default=0)
     events_file: str | None = _help("append one JSON line per event (ready, round, ...) to this file, for tools and "

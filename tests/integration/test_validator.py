@@ -32,7 +32,9 @@ from tests.integration.neuron_processes import require_alive, wait_until
 
 NETUID = 3
 SECONDS_PER_BLOCK = 0.5
-BLOCKS_PER_ROUND = 30  # 15 s rounds: overlapped (the default), training runs until 2 s before the end
+# 15 s rounds: overlapped (the default), training runs until grace (3 s) before a round's end, as long as 20 s
+# blocking rounds let it (until matchmaking + grace before the end)
+BLOCKS_PER_ROUND = 30
 TEMPO = 20
 NETWORK_ROUNDS = 6  # judged once the validator has scored 6 consecutive chain rounds' worth (5 paid)
 DATA = "stdlib"  # real English prose from the standard library: the memorization signal needs natural text
