@@ -158,7 +158,7 @@ class NeuronConfig:
         values that parse but do not fit together (the codec's settings included, before any network)."""
         return cls(
             chain=chain_args_from(args), axon=_section(AxonConfig, args, "axon"),
-            neuron=_section(NeuronSettings, args, "neuron"), run=run_spec_from(args, overlap=args.run_overlap),
+            neuron=_section(NeuronSettings, args, "neuron"), run=run_spec_from(args),
             data=data_config_from(args),
             averaging=averaging_flags_from(args), wandb=WandbConfig.from_args(args),
             debug=args.logging_debug, dashboard=_section(DashboardConfig, args, "dashboard"),
@@ -236,10 +236,6 @@ def add_neuron_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logging.debug", dest="logging_debug", action="store_true", help="debug logging")
     add_wandb_args(parser)
     add_run_args(parser, dotted)
-    parser.add_argument("--run.overlap", dest="run_overlap", action=argparse.BooleanOptionalAction, default=True,
-                        help="train the next round while a round's all-reduce runs (the default: its outer step "
-                             "lands one round late, the eager update of docs/benchmarks.md §1a; --no-run.overlap "
-                             "waits for every all-reduce); every neuron of the run must agree")
     add_averaging_args(parser, dotted)
 
 

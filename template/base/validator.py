@@ -163,9 +163,9 @@ class Validator:
             outcome = self.peer.run_round(plan)  # --run.overlap: the round before's, landed (None: nothing was)
             # Δ̄ of the round just scored is free for every miner of the next one; θ and the rest are let go
             free_average = (pending.round, pending.averaged) if pending is not None else None
-            pending = PendingRound.of(outcome, self.directory) if outcome is not None else None
+            pending = None
             if outcome is not None:
-                report = outcome.report
+                pending, report = PendingRound.of(outcome, self.directory), outcome.report
                 self.ctx.emit("synced", uid=self.ctx.uid, round=report.round, theta_hash=report.theta_hash,
                               heldout_loss=report.heldout_loss, allreduce_ok=report.allreduce_ok,
                               group_size=report.group_size, group_hotkeys=self._group_hotkeys(pending),

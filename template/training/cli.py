@@ -81,6 +81,10 @@ def add_run_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> No
     add("outer_momentum", type=float, default=None,
         help=f"outer Nesterov momentum, 0 for plain SGD (default {OuterConfig.momentum}; {PLAIN_OUTER.momentum} "
              "with the sparse codec or overlap)")
+    add("overlap", action=argparse.BooleanOptionalAction, default=True,
+        help="train round r+1 while round r's all-reduce runs, from θ stepped with this peer's own contribution; "
+             "the true average's outer step lands one round late (the default: the eager update of "
+             f"docs/benchmarks.md §1a). {'--no-' + flag('run', 'overlap')[2:]} waits for every all-reduce")
 
 
 def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> None:
@@ -107,20 +111,20 @@ def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed)
         help="seconds a peer may stay silent during the all-reduce before it is dropped")
 
 
-def run_spec_from(args: argparse.Namespace, overlap: bool = False) -> RunSpec:
-    """The run the flags describe; ``overlap``: its all-reduces run while the next round trains (the engine's
-    ``--overlap``)."""
+def run_spec_from(args: argparse.Namespace) -> RunSpec:
+    """The run the flags describe."""
     return RunSpec(
         run_id=args.run_id, model=args.run_preset, seq_len=args.run_seq_len, run_seed=args.run_seed,
         init_seed=args.run_init_seed, batch_size=args.run_batch_size, inner_steps=args.run_inner_steps,
-        inner=InnerConfig(lr=args.run_lr, warmup_steps=args.run_warmup_steps), outer=outer_config_from(args, overlap),
-        overlap=overlap,
+        inner=InnerConfig(lr=args.run_lr, warmup_steps=args.run_warmup_steps), outer=outer_config_from(args),
+        overlap=args.run_overlap,
     )
 
 
-def outer_config_from(args: argparse.Namespace, overlap: bool = False) -> OuterConfig:
+def outer_config_from(args: argparse.Namespace) -> OuterConfig:
     """The outer step the flags ask for; an unset one is the default of the codec and overlap (`default_outer`)."""
-    default = default_outer(compression_from(args) if hasattr(args, "averaging_compression") else "", overlap)
+    codec = compression_from(args) if hasattr(args, "averaging_compression") else ""
+    default = default_outer(codec, args.run_overlap)
     lr = default.lr if args.run_outer_lr is None else args.run_outer_lr
     momentum = default.momentum if args.run_outer_momentum is None else args.run_outer_momentum
     if not lr > 0 or not 0 <= momentum < 1:

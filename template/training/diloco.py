@@ -257,7 +257,7 @@ class DiLoCoPeer:
             return self._stale(plan, round_started)
         trained = self._train_round(plan, contribute)
         if not self.spec.overlap:
-            handle = self._begin(trained, trained.base_hash)
+            trained, handle = self._begin(trained, trained.base_hash)
             result = None
             if handle is not None:
                 result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by),
@@ -295,10 +295,8 @@ class DiLoCoPeer:
             theta_hash = self.outer.theta_hash()
         # round r's all-reduce starts once round r−1's outer step is taken: its group compares the θ that its
         # average will be applied to (a member that missed round r−1's step holds another and will not apply it)
-        if not plan.contributes:  # what a validator scores the round against: the θ its average is applied to
-            trained = replace(trained, base=[t.clone() for t in self.outer.params()])
         begun_at = time.time()
-        handle = self._begin(trained, theta_hash)
+        trained, handle = self._begin(trained, theta_hash)
         pending = None if handle is None else self.averager.finish_in_background(
             handle, handle.deadline, lambda: passed_by(self.averager, plan.round, overlapped=True))
         self._in_flight = InFlight(trained, handle, pending, begun_at)
@@ -345,7 +343,6 @@ class DiLoCoPeer:
         else:
             load_into(self.model, start)  # θ_local ← the start point (overlap)
         base_hash = self.outer.theta_hash()
-        base = None if plan.contributes or self.spec.overlap else [t.clone() for t in self.outer.params()]
         log.info("round %d starts from θ %s", r, base_hash[:12])
         stats = train_in_chunks(self.inner, self.node, self._rank_batches(list(plan.windows)), plan.max_steps,
                                 plan.train_until, self.on_progress, r)
@@ -360,20 +357,24 @@ class DiLoCoPeer:
             if plan.contributes:
                 delta = self.outer.pseudo_gradient(self.model, start)
                 contribution = self._encode(contribute(r, delta) if contribute is not None else delta)
-        return Trained(plan, base_hash, base, stats, delta, contribution, trained_at)
+        return Trained(plan, base_hash, None, stats, delta, contribution, trained_at)
 
-    def _begin(self, trained: Trained, onto: str) -> AveragingHandle | None:
+    def _begin(self, trained: Trained, onto: str) -> tuple[Trained, AveragingHandle | None]:
         """Commit to the round's contribution and start matchmaking (leader). ``onto`` is the hash of the θ the
-        average will be applied to (the round's base without overlap)."""
+        average will be applied to, which θ is now (the round's base without overlap; overlapped, the round before's
+        step taken). A plan that does not contribute (a validator's) keeps a copy of it in the returned ``Trained``:
+        the θ it scores the round against."""
+        if not trained.plan.contributes:
+            trained = replace(trained, base=[t.clone() for t in self.outer.params()])
         if self.averager is None:
-            return None
+            return trained, None
         plan = trained.plan
         scheduled = time.time() + self.averaging_config.matchmaking_time
         gather = dict(peer_key=self.peer_key, round=plan.round, base=trained.base_hash, onto=onto,
                       fingerprint=self.fingerprint)
-        return self.averager.begin(trained.contribution, trained.stats.tokens, gather, scheduled,
-                                   deadline=self._allreduce_deadline(scheduled, plan.finish_by),
-                                   scope=self.scope, round=plan.round)
+        return trained, self.averager.begin(trained.contribution, trained.stats.tokens, gather, scheduled,
+                                            deadline=self._allreduce_deadline(scheduled, plan.finish_by),
+                                            scope=self.scope, round=plan.round)
 
     def _land(self, trained: Trained, handle: AveragingHandle | None, result: AveragingResult | None,
               applied: tuple[bool, str], next_round: int, round_started: float = 0.0, waited_s: float = 0.0,

@@ -46,11 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(parser)
     parser.add_argument("--rounds", type=int, default=5, help="stop when the run reaches this many rounds")
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                        help="train round r+1 while round r's all-reduce runs, starting from θ stepped with this "
-                             "peer's own contribution; the true average's outer step (plain SGD at lr 1 unless "
-                             "--outer-* say otherwise) lands one round late (the default). Every peer of a run must "
-                             "agree. --no-overlap waits for every all-reduce")
     add_averaging_args(parser)
     net = parser.add_argument_group("network")
     net.add_argument("--peer-key", required=True, help="this peer's name: selects its data assignment")
@@ -93,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     node = init_node_group()
     dht = peer = None
     try:
-        spec = run_spec_from(args, overlap=args.overlap)
+        spec = run_spec_from(args)
         tokenizer, corpus = data_config_from(args).load(spec.seq_len, args.cache_dir)
         if node.is_leader:
             dht = start_dht(DHTConfig(host_maddrs=[args.host_maddr], initial_peers=list(args.initial_peers),

@@ -59,8 +59,8 @@ class Trained:
 
     plan: RoundPlan
     base_hash: str  # θ the round started from: its Δ is measured from it on every peer of the group
-    base: Tensors | None  # for plans that do not contribute, a copy of the θ the average is applied to: that θ
-    # (overlap: the θ when the all-reduce began, the round before's step taken)
+    base: Tensors | None  # for plans that do not contribute, a copy of the θ the average is applied to, taken when
+    # the all-reduce begins (``DiLoCoPeer._begin``; overlap: the round before's step taken)
     stats: Stats
     delta: Tensors | None
     contribution: EncodedContribution | None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from template.allreduce.codecs import SparseSettings
 from template.allreduce.contribution import codec_descriptor
+from template.base.config import add_neuron_args
 from template.training.cli import PRESET_COMPRESSION, averaging_flags_from, codec_from, run_spec_from
 from template.training.model import MODEL_PRESETS
 from template.training.outer import PLAIN_OUTER, OuterConfig
@@ -39,31 +42,46 @@ def test_sparse_settings_for_a_dense_codec_or_invalid_ones_are_refused_with_the_
 
 def test_the_outer_step_defaults_to_the_codecs_and_zero_momentum_is_plain_sgd():
     blocking = parse("--no-overlap")
-    assert not blocking.overlap and run_spec_from(blocking, overlap=blocking.overlap).outer == OuterConfig()
+    assert not blocking.run_overlap and not run_spec_from(blocking).overlap
+    assert run_spec_from(blocking).outer == OuterConfig()
     overlapped = parse()  # overlap is the engine's default: plain SGD for every codec (outer.py: PLAIN_OUTER)
-    assert overlapped.overlap and run_spec_from(overlapped, overlap=overlapped.overlap).outer == PLAIN_OUTER
-    assert parse("--overlap").overlap
-    assert run_spec_from(parse("--outer-lr", "0.7", "--outer-momentum", "0.9"), overlap=True).outer == OuterConfig()
-    assert run_spec_from(parse(), overlap=True).overlap and not run_spec_from(parse()).overlap
-    assert run_spec_from(parse()).outer == OuterConfig()
-    assert run_spec_from(parse("--compression", "sparse")).outer == PLAIN_OUTER
-    assert run_spec_from(parse("--compression", "sparse", "--outer-momentum", "0.5")).outer == OuterConfig(1.0, 0.5)
-    assert run_spec_from(parse("--outer-momentum", "0")).outer == OuterConfig(0.7, 0.0, nesterov=False)
+    assert run_spec_from(overlapped).overlap and run_spec_from(overlapped).outer == PLAIN_OUTER
+    assert run_spec_from(parse("--overlap")).overlap
+    assert run_spec_from(parse("--outer-lr", "0.7", "--outer-momentum", "0.9")).outer == OuterConfig()
+    assert run_spec_from(parse("--no-overlap", "--compression", "sparse")).outer == PLAIN_OUTER
+    sparse_momentum = parse("--no-overlap", "--compression", "sparse", "--outer-momentum", "0.5")
+    assert run_spec_from(sparse_momentum).outer == OuterConfig(1.0, 0.5)
+    assert run_spec_from(parse("--no-overlap", "--outer-momentum", "0")).outer == OuterConfig(0.7, 0.0, nesterov=False)
     for bad in (("--outer-lr", "0"), ("--outer-momentum", "1.0"), ("--outer-momentum", "-0.1")):
         with pytest.raises(ValueError, match="outer step"):
             run_spec_from(parse(*bad))
 
 
+def test_the_neurons_spell_the_overlap_switch_dotted_and_agree_with_the_engine():
+    """One definition (``add_run_args``) for both spellings: ``--run.overlap`` / ``--no-run.overlap`` for the
+    neurons, ``--overlap`` / ``--no-overlap`` for the engine's peer command."""
+    parser = argparse.ArgumentParser()
+    add_neuron_args(parser)
+
+    def neuron(*flags: str) -> argparse.Namespace:
+        return parser.parse_args(["--netuid", "1", *flags])
+
+    assert neuron().run_overlap and not neuron("--no-run.overlap").run_overlap
+    assert run_spec_from(neuron("--no-run.overlap")) == run_spec_from(parse("--no-overlap"))
+    assert run_spec_from(neuron()) == run_spec_from(parse())
+
+
 def test_the_codec_defaults_to_the_presets_and_an_explicit_one_wins():
     """sparse for small and 1b (it trains like dense for ~1/9 of the bytes: docs/benchmarks.md §7), fp16 for tiny;
-    the outer step follows the codec that is in effect, not the flag as typed."""
+    the outer step follows the codec that is in effect, not the flag as typed (blocking: overlapped, every codec
+    steps plainly)."""
     assert set(PRESET_COMPRESSION) == set(MODEL_PRESETS)
-    assert codec_of().name == "fp16" and run_spec_from(parse()).outer == OuterConfig()
+    assert codec_of().name == "fp16" and run_spec_from(parse("--no-overlap")).outer == OuterConfig()
     for preset in ("small", "1b"):
         assert codec_of("--preset", preset).name == "sparse"
-        assert run_spec_from(parse("--preset", preset)).outer == PLAIN_OUTER
+        assert run_spec_from(parse("--no-overlap", "--preset", preset)).outer == PLAIN_OUTER
         assert codec_of("--preset", preset, "--compression", "fp16").name == "fp16"
-        assert run_spec_from(parse("--preset", preset, "--compression", "fp16")).outer == OuterConfig()
+        assert run_spec_from(parse("--no-overlap", "--preset", preset, "--compression", "fp16")).outer == OuterConfig()
     assert codec_of("--preset", "small", "--sparse-k", "128").settings.k == 128
     with pytest.raises(ValueError, match="only to compression 'sparse'"):
         codec_of("--preset", "small", "--compression", "fp16", "--sparse-k", "128")
