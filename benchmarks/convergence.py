@@ -3,7 +3,8 @@
 
 ``python -m benchmarks.convergence [--quick] [--engine exact|hivemind|both] [--codecs none,fp16,int8,sparse]
 [--sparse-k K --sparse-chunk C --sparse-bits B --sparse-quantizer Q --no-error-feedback]
-[--sweep --sweep-k 16,64,256 --sweep-bits 1,2,4 --sweep-decay off,0.9,0.95,1.0] [--overlap fp16,sparse]``
+[--sweep --sweep-k 16,64,256 --sweep-bits 1,2,4 --sweep-decay off,0.9,0.95,1.0]
+[--overlap fp16,sparse [--overlap-modes eager,corrected --arrival-steps 10,25]]``
 
 Arms (tiny preset, byte-level data, the engine's default inner AdamW settings for every arm):
 
@@ -40,6 +41,10 @@ Arms (tiny preset, byte-level data, the engine's default inner AdamW settings fo
     replaced by its fresh contribution, Δ̄_{r−1} + (w_i/W)·(D_{i,r} − D_{i,r−1}) (Δ̄_{−1} = D_{i,−1} = 0): the
     mixture of Kale et al., "Eager updates for overlapped communication and computation in DiLoCo" (2025) — the
     others' part is one round stale, but it is a mean of N, not one peer's noisy progress.
+  - corrected_at<K> (``--arrival-steps K``, default H/2): as eager, and once Δ̄_{r−1} lands, after K of the round's
+    H inner steps, each peer shifts θ_local by the stand-in's error G_r − S_{i,r}, trains the other H − K steps from
+    there (its AdamW state kept) and measures its Δ from G_r, the θ the round's average is applied to. Not the
+    engine's: it would need the average's arrival checked between inner steps (docs/benchmarks.md §1a).
 
   Every arm is evaluated at equal inner steps on the global θ once every all-reduce it started has landed (after
   round r: G_{r+1}); the final loss is that of G_R.
@@ -76,9 +81,9 @@ from benchmarks.common import (
     machine_info,
     median,
     parse_benchmark_args,
-    ratio,
     run_peers,
 )
+from benchmarks.convergence_summary import summarize
 from template.allreduce.codecs import (
     SPARSE_MEANS,
     SegmentCodec,
@@ -91,14 +96,10 @@ from template.allreduce.reduction import kept_weight, weighted_mean
 
 log = logging.getLogger("benchmarks.convergence")
 
-DILOCO_OVER_DP_GOAL = 1.02
-CODEC_LOSS_GOAL = 0.01
-SPARSE_OVER_DENSE_GOAL = 1.01  # the product's bar: sparse held-out loss ≤ 1.01 × dense fp32
-OVERLAP_OVER_BLOCKING_GOAL = 1.01  # overlapped communication within 1 % of the blocking arm
 SWEEP_K = "16,64,256"  # of 4096: density 0.39 %, 1.56 %, 6.25 %
 SWEEP_BITS = "1,2,4"
 SWEEP_DECAY = "off,0.9,0.95,1.0"  # error-feedback β; off = no residual at all
-OVERLAP_MODES = ("blocking", "delayed", "eager", "eager_full", "eager_mixed")
+OVERLAP_MODES = ("blocking", "delayed", "eager", "eager_full", "eager_mixed", "corrected")
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Arm:
     outer_momentum: float = 0.9
     sparse: SparseSettings | None = None  # the settings of a "sparse" arm
     overlap: str = "blocking"  # one of OVERLAP_MODES (module docstring)
+    arrival: int = 0  # corrected: the inner step of a round at which the round before's average lands
 
     def outer_config(self):
         """The outer step of this arm (plain SGD when its momentum is 0)."""
@@ -217,11 +219,20 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
     in_flight: torch.Tensor | None = None  # Δ̄ of the previous round, still being all-reduced (overlap arms)
     previous = [torch.zeros_like(theta_0)] * setup.workers  # each peer's decoded contribution of the last round
     curve, contribution_bytes, averaged_bytes = [], 0, []
+    landed: torch.Tensor | None = None  # Δ̄_{r−1}, once it has landed (overlap arms)
     for r in range(setup.rounds):
         decoded, weights = [], []
+        if arm.overlap == "corrected" and in_flight is not None:  # Δ̄_{r−1} lands during round r: G_{r−1} → G_r
+            outer.step(unflatten(in_flight, outer.params()))
+            landed, in_flight = in_flight, None
         for worker, (model, trainer) in enumerate(zip(peers.models, peers.trainers, strict=True)):
             _load_flat(model, peers.starts[worker], outer.params())
-            stats = trainer.train(data.worker_batches(worker, r), setup.inner_steps)
+            if arm.overlap == "corrected":
+                stats = _train_corrected(trainer, model, data.worker_batches(worker, r), setup.inner_steps,
+                                         arm.arrival, peers.starts[worker], flatten(outer.params()))
+                peers.starts[worker] = flatten(outer.params())  # its Δ is measured from G_r
+            else:
+                stats = trainer.train(data.worker_batches(worker, r), setup.inner_steps)
             delta = peers.starts[worker] - flatten(list(model.parameters()))
             segments, contribution, peers.residuals[worker] = encode_with_feedback(
                 codec, delta, peers.residuals[worker] if codec.error_feedback else None)
@@ -236,12 +247,13 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
             outer.step(unflatten(averaged, outer.params()))
             peers.starts = [flatten(outer.params())] * setup.workers
         else:
-            landed = in_flight
-            if in_flight is not None:  # Δ̄_{r−1} lands during round r: G_{r−1} → G_r
-                outer.step(unflatten(in_flight, outer.params()))
+            if arm.overlap != "corrected":
+                landed = in_flight
+                if in_flight is not None:  # Δ̄_{r−1} lands during round r: G_{r−1} → G_r
+                    outer.step(unflatten(in_flight, outer.params()))
             if arm.overlap == "delayed":
                 peers.starts = [flatten(outer.params())] * setup.workers
-            elif arm.overlap == "eager":  # the engine's: the own contribution, shrunk by its fit, stands in for Δ̄_r
+            elif arm.overlap in ("eager", "corrected"):  # the own contribution, shrunk by its fit, stands in for Δ̄_r
                 average = None if landed is None else unflatten(landed, outer.params())  # Δ̄_{r−1}
                 peers.starts = [_stepped(outer, stand_in_scale(old, average) * own, models[0])
                                 for own, old in zip(decoded, previous, strict=True)]
@@ -268,6 +280,22 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
         contribution_bits_per_param=8 * contribution_bytes / params,
         averaged_bits_per_param=8 * sum(averaged_bytes) / len(averaged_bytes) / params,
     )
+
+
+def _train_corrected(trainer, model: torch.nn.Module, batches: list, steps: int, arrival: int, start: torch.Tensor,
+                     landed: torch.Tensor):
+    """The correction on arrival: ``arrival`` inner steps from the eager ``start``, then θ_local is shifted by the
+    stand-in's error (``landed`` − ``start``, ``landed`` = G_r: the θ the round before's average landed on) and
+    trains the rest of the round from there, its AdamW state kept. The peer's Δ is then measured from G_r."""
+    from template.training.inner import InnerStats
+
+    first = trainer.train(batches[:arrival], arrival)
+    with torch.no_grad():
+        for p, shift in zip(model.parameters(), unflatten(landed - start, list(model.parameters())), strict=True):
+            p.add_(shift)
+    rest = trainer.train(batches[arrival:], steps - arrival)
+    return InnerStats(steps=first.steps + rest.steps, tokens=first.tokens + rest.tokens, mean_loss=None,
+                      last_loss=rest.last_loss, seconds=first.seconds + rest.seconds)
 
 
 def _progress(arm: Arm, r: int, rounds: int, loss: float) -> None:
@@ -417,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="codecs that also get overlapped-all-reduce arms (--overlap-modes), e.g. fp16,sparse")
     parser.add_argument("--overlap-modes", default=",".join(OVERLAP_MODES[1:]),
                         help=f"which overlap arms --overlap adds, of {','.join(OVERLAP_MODES[1:])}")
+    parser.add_argument("--arrival-steps", default="",
+                        help="corrected arms: the inner steps of a round at which the round before's average lands, "
+                             "comma-separated, one arm each (default H/2)")
     parser.add_argument("--engine", choices=["exact", "hivemind", "both"], default="exact")
     parser.add_argument("--engine-codec", default="fp16", help="codec of the hivemind-engine run")
     parser.add_argument("--jobs", type=int, default=None, help="arms trained in parallel (default 2; --quick 1)")
@@ -448,8 +479,26 @@ def build_arms(args: argparse.Namespace) -> tuple[list[Arm], list[str]]:
     for codec in filter(None, args.overlap.split(",")):
         if codec not in codecs:
             arms.append(diloco(codec))
-        arms += [diloco(codec, f"diloco_{codec}_{mode}", mode) for mode in args.overlap_modes.split(",")]
+        for mode in args.overlap_modes.split(","):
+            if mode != "corrected":
+                arms.append(diloco(codec, f"diloco_{codec}_{mode}", mode))
+                continue
+            for arrival in arrival_steps(args):
+                arms.append(replace(diloco(codec, f"diloco_{codec}_corrected_at{arrival}", mode), arrival=arrival))
     return arms, codecs
+
+
+def arrival_steps(args: argparse.Namespace) -> list[int]:
+    """The arrival points of the corrected arms, inside the round (at 0 a corrected arm would be the blocking one, at
+    H the eager one); a bad value exits with its reason."""
+    try:
+        steps = [int(k) for k in args.arrival_steps.split(",")] if args.arrival_steps else [args.inner_steps // 2]
+    except ValueError as exc:
+        raise SystemExit(f"bad --arrival-steps: {exc}") from exc
+    if not all(0 < k < args.inner_steps for k in steps):
+        raise SystemExit(f"bad --arrival-steps: each must lie strictly between 0 and H = {args.inner_steps}, "
+                         f"got {steps}")
+    return steps
 
 
 def sweep_settings(args: argparse.Namespace, base: SparseSettings) -> list[tuple[int, int, str, SparseSettings]]:
@@ -516,63 +565,6 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = round(time.monotonic() - started, 1)
     emit(result)
     return 0
-
-
-def summarize(arms: dict[str, dict], codecs: list[str]) -> dict[str, Any]:
-    """Ratios against the baselines of the same run, and whether the goals are met."""
-    loss = {name: arm.get("final_heldout_loss") for name, arm in arms.items()}
-    summary: dict[str, Any] = {}
-    summary.update(compression_summary(arms, loss))
-    headline = next((f"diloco_{c}" for c in codecs if loss.get(f"diloco_{c}") is not None), None)
-    if headline is None:
-        headline = next((name for name in arms if name.startswith("hivemind_") and loss.get(name)), None)
-    if headline is None or loss.get("dp") is None:
-        return summary
-    summary.update(
-        headline_arm=headline,
-        diloco_over_dp=loss[headline] / loss["dp"],
-        diloco_over_dp_goal=DILOCO_OVER_DP_GOAL,
-        diloco_over_dp_goal_met=loss[headline] / loss["dp"] <= DILOCO_OVER_DP_GOAL,
-        single_over_dp=ratio(loss["single"], loss["dp"]),
-        diloco_beats_single=loss[headline] < loss["single"],
-        communications=dict(dp=arms["dp"]["communications"], diloco=arms[headline].get("communications")),
-    )
-    changes = {c: loss[f"diloco_{c}"] / loss["diloco_none"] - 1 for c in codecs
-               if c != "none" and loss.get(f"diloco_{c}") is not None and loss.get("diloco_none") is not None}
-    if changes:
-        summary.update(codec_loss_change_vs_none=changes, codec_loss_goal=CODEC_LOSS_GOAL,
-                       codec_loss_goal_met=all(abs(v) <= CODEC_LOSS_GOAL for v in changes.values()))
-    sweep = {name: value for name, value in loss.items() if "_lr" in name and value is not None}
-    if sweep:
-        summary["outer_sweep_over_dp"] = {name: value / loss["dp"] for name, value in sweep.items()}
-    return summary
-
-
-def compression_summary(arms: dict[str, dict], loss: dict[str, float | None]) -> dict[str, Any]:
-    """Every DiLoCo arm against dense fp32 (``diloco_none``), and every overlap arm against its blocking arm."""
-    dense = loss.get("diloco_none")
-    summary: dict[str, Any] = {}
-    if dense:
-        table = {name: dict(loss=loss[name], over_dense_fp32=loss[name] / dense,
-                            contribution_bits_per_param=arms[name]["contribution_bits_per_param"],
-                            averaged_bits_per_param=arms[name]["averaged_bits_per_param"])
-                 for name, arm in arms.items() if arm.get("kind") == "diloco" and loss.get(name)}
-        sparse = {name: row["over_dense_fp32"] for name, row in table.items()
-                  if arms[name]["codec"] == "sparse" and arms[name]["overlap"] == "blocking"}
-        summary.update(over_dense_fp32=table)
-        if sparse:
-            best = min(sparse, key=sparse.get)
-            summary.update(sparse_goal=SPARSE_OVER_DENSE_GOAL, best_sparse_arm=best,
-                           sparse_goal_met={name: value <= SPARSE_OVER_DENSE_GOAL for name, value in sparse.items()})
-    overlap = {}
-    for name, arm in arms.items():
-        blocking = f"diloco_{arm.get('codec')}"
-        if arm.get("overlap") in OVERLAP_MODES[1:] and loss.get(name) and loss.get(blocking):
-            overlap[name] = loss[name] / loss[blocking]
-    if overlap:
-        summary.update(overlap_over_blocking=overlap, overlap_goal=OVERLAP_OVER_BLOCKING_GOAL,
-                       overlap_goal_met={name: value <= OVERLAP_OVER_BLOCKING_GOAL for name, value in overlap.items()})
-    return summary
 
 
 if __name__ == "__main__":

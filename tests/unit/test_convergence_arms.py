@@ -31,3 +31,20 @@ def test_the_sweep_crosses_density_bits_and_feedback_decay_at_the_outer_step_ask
 def test_a_bad_sweep_setting_exits_with_its_reason(flags):
     with pytest.raises(SystemExit, match="bad sweep setting"):
         arms_of("--sweep", *flags)
+
+
+def test_the_corrected_overlap_gets_one_arm_per_arrival_step_inside_the_round():
+    arms, _ = arms_of("--codecs", "fp16", "--no-reference-arms", "--overlap", "fp16", "--inner-steps", "50",
+                      "--overlap-modes", "eager,corrected", "--arrival-steps", "10,25")
+    assert [(arm.name, arm.overlap, arm.arrival) for arm in arms] == [
+        ("diloco_fp16", "blocking", 0), ("diloco_fp16_eager", "eager", 0),
+        ("diloco_fp16_corrected_at10", "corrected", 10), ("diloco_fp16_corrected_at25", "corrected", 25)]
+    halfway, _ = arms_of("--codecs", "fp16", "--no-reference-arms", "--overlap", "fp16", "--inner-steps", "8",
+                         "--overlap-modes", "corrected")
+    assert [arm.arrival for arm in halfway if arm.overlap == "corrected"] == [4]
+
+
+@pytest.mark.parametrize("steps", ["0", "50", "half"])
+def test_an_arrival_step_outside_the_round_exits_with_its_reason(steps):
+    with pytest.raises(SystemExit, match="bad --arrival-steps"):
+        arms_of("--overlap", "fp16", "--inner-steps", "50", "--overlap-modes", "corrected", "--arrival-steps", steps)
