@@ -55,8 +55,10 @@ from template.localnet.report import (
 )
 from template.localnet.view import LiveView, print_summary, tail_text
 from template.p2p.simulated_link import LinkSpec, SimulatedNetwork, SimulatedPeer
+from template.training.cli import PRESET_COMPRESSION
 from template.training.data import names_files
 from template.training.model import MODEL_PRESETS
+from template.training.outer import default_overlap
 from template.training.run import PeerProcess
 
 REPO = Path(__file__).resolve().parents[2]  # template/localnet/network.py -> the repository root
@@ -89,10 +91,16 @@ class LocalnetConfig:
     dashboard: bool = False  # every neuron serves its dashboard on a free port of 127.0.0.1
     link_mbit: float | None = None  # every neuron behind a simulated access link (a test knob: simulated_link.py)
     link_latency_ms: float = 0.0
-    overlap: bool = True  # every neuron trains the next round while a round's all-reduce runs (--run.overlap)
+    overlap: bool | None = None  # every neuron trains the next round while a round's all-reduce runs
+    # (--run.overlap); None: the codec's default (template.training.outer.default_overlap)
 
     def miner_behaviours(self) -> list[str]:
         return list(self.behaviours) or [HONEST] * self.miners
+
+    def overlapped(self) -> bool:
+        """Whether the neurons overlap: as asked, or the default of the codec in effect."""
+        codec = self.compression or PRESET_COMPRESSION[self.model]
+        return default_overlap(codec) if self.overlap is None else self.overlap
 
 
 class ChildDied(RuntimeError):
@@ -196,7 +204,7 @@ def neuron_command(config: LocalnetConfig, neuron: NeuronInfo, url: str, out: Pa
     ]
     if config.compression:
         command += ["--averaging.compression", config.compression]
-    command += ["--run.overlap" if config.overlap else "--no-run.overlap"]
+    command += ["--run.overlap" if config.overlapped() else "--no-run.overlap"]
     if neuron.role == "miner":
         command += ["--miner.behaviour", str(neuron.behaviour)]
     if dashboard_port:
@@ -265,7 +273,7 @@ class Localnet:
         self.wait_for_incentive(deadline)
         validators = [n.uid for n in self.neurons if n.role == "validator"]
         snapshot = read_chain(self.url, validators)
-        run = dict(asdict(config), out=str(self.out), chain=self.url, netuid=NETUID,
+        run = dict(asdict(config), overlap=config.overlapped(), out=str(self.out), chain=self.url, netuid=NETUID,
                    behaviours=config.miner_behaviours(), dashboards=self.dashboards)
         if self.link is not None:
             run["link_bytes_sent"] = dict(self.link.stats.sent)
@@ -417,8 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--matchmaking-time", type=float, default=defaults.matchmaking_time)
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=defaults.overlap,
-                        help="every neuron trains the next round while a round's all-reduce runs (--run.overlap, "
-                             "the default: a round is published and scored one round later); --no-overlap blocks")
+                        help="every neuron trains the next round while a round's all-reduce runs (--run.overlap: "
+                             "a round is published and scored one round later); --no-overlap blocks (default: on "
+                             "for the dense codecs, off for sparse, as the neurons' own default)")
     parser.add_argument("--dashboard", action="store_true",
                         help="every neuron serves its live web dashboard on a free port of 127.0.0.1 (addresses "
                              "printed at start)")

@@ -123,7 +123,8 @@ def test_two_miners_and_a_validator_train_set_weights_and_pass_the_checks(tmp_pa
 @pytest.mark.timeout(600)
 def test_a_sparse_network_trains_scores_and_fetches_a_fiftieth_of_fp16(tmp_path):
     """``--compression sparse``: the same checks pass, θ is identical on every miner each round, and the validator
-    scores publications that are the sparse contributions (their exact size, under 1/50 of fp16's)."""
+    scores publications that are the sparse contributions (their exact size, under 1/50 of fp16's). The rounds
+    block: the sparse codec's default (design change 22), so the neurons' blocking path runs here too."""
     out = tmp_path / "run"
     done = subprocess.run(localnet(out, "--compression", "sparse"), cwd=REPO, capture_output=True, text=True,
                           timeout=560)
@@ -145,13 +146,15 @@ def test_a_sparse_network_trains_scores_and_fetches_a_fiftieth_of_fp16(tmp_path)
     # every average over the kept values is checked in the round against its owner's claims: no honest one dropped
     rounds = [event for event in miner_rounds(out) if event["allreduce_ok"]]
     assert len(rounds) >= 4 and all(event["segments_refuted"] == 0 for event in rounds), rounds
+    assert report["run"]["overlap"] is False  # it waited for every all-reduce:
+    assert all(event["allreduce_wait_s"] == event["allreduce_s"] > 0 for event in rounds), rounds
 
 
 @pytest.mark.timeout(400)
 def test_ctrl_c_stops_every_process(tmp_path):
     out = tmp_path / "run"
-    # short rounds: the first one ends sooner (whether the miners agree does not matter here); blocking, the neurons'
-    # other mode (--no-run.overlap), which the other network tests leave out, runs to its first reported round
+    # short rounds: the first one ends sooner (whether the miners agree does not matter here); blocking (fp16's other
+    # mode, --no-run.overlap) runs to its first reported round
     command = localnet(out, "--rounds", "50", "--blocks-per-round", "16", "--no-overlap")
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)

@@ -104,6 +104,19 @@ def test_without_compression_the_neurons_use_the_presets_codec(tmp_path):
         assert NeuronConfig.from_args(args).codec().name == codec
 
 
+def test_the_neurons_overlap_as_asked_or_as_their_codec_does_and_the_report_says_which(tmp_path):
+    """Unasked, the network overlaps with fp16 and blocks with sparse (template.training.outer.default_overlap),
+    and tells every neuron so explicitly."""
+    miner = load_script("miner").build_parser()
+    for flags, overlapped in (([], True), (["--compression", "sparse"], False), (["--model", "small"], False),
+                              (["--compression", "sparse", "--overlap"], True), (["--no-overlap"], False)):
+        config = config_from_args(["--out", str(tmp_path / "run"), *flags])
+        assert config.overlapped() is overlapped, flags
+        command = neuron_command(config, MINER, "mock://127.0.0.1:9999", tmp_path)
+        assert ("--run.overlap" if overlapped else "--no-run.overlap") in command
+        assert run_spec_from(miner.parse_args(command[2:])).overlap is overlapped
+
+
 def test_children_carry_the_run_marker_and_keep_the_token_cache_in_the_run(tmp_path):
     env = child_env(tmp_path)
     assert env[RUN_MARKER_ENV] == str(tmp_path)
