@@ -55,7 +55,7 @@ from template.localnet.report import (
 )
 from template.localnet.view import LiveView, print_summary, tail_text
 from template.p2p.simulated_link import LinkSpec, SimulatedNetwork, SimulatedPeer
-from template.training.cli import PRESET_COMPRESSION
+from template.training.cli import codec_in_effect
 from template.training.data import names_files
 from template.training.model import MODEL_PRESETS
 from template.training.outer import default_overlap
@@ -99,7 +99,7 @@ class LocalnetConfig:
 
     def overlapped(self) -> bool:
         """Whether the neurons overlap: as asked, or the default of the codec in effect."""
-        codec = self.compression or PRESET_COMPRESSION[self.model]
+        codec = codec_in_effect(self.compression, self.model)
         return default_overlap(codec) if self.overlap is None else self.overlap
 
 

@@ -165,8 +165,13 @@ class AveragingFlags:
 
 
 def compression_from(args: argparse.Namespace) -> str:
-    """``--averaging.compression``, or the run preset's codec (:data:`PRESET_COMPRESSION`) when it is not given."""
-    return args.averaging_compression or PRESET_COMPRESSION[args.run_preset]
+    """``--averaging.compression``, or the run preset's codec when it is not given."""
+    return codec_in_effect(args.averaging_compression, args.run_preset)
+
+
+def codec_in_effect(compression: str | None, preset: str) -> str:
+    """The codec asked for, or the preset's (:data:`PRESET_COMPRESSION`) when none is."""
+    return compression or PRESET_COMPRESSION[preset]
 
 
 def averaging_flags_from(args: argparse.Namespace) -> AveragingFlags:

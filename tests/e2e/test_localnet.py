@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def localnet(out: Path, *flags: str) -> list[str]:
-    # 15 s rounds: overlapped (the default) a miner trains until grace (3 s) before a round's end, about as long as
-    # blocking 20 s rounds let it (until matchmaking + grace before the end)
+    # 15 s rounds: overlapped (fp16's default) a miner trains until grace (3 s) before a round's end, about as long
+    # as blocking 20 s rounds let it (until matchmaking + grace before the end)
     return [sys.executable, "-m", "template.localnet", "--out", str(out), "--miners", "2", "--rounds", "2",
             "--blocks-per-round", "30", *flags]
 
