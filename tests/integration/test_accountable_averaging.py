@@ -95,8 +95,16 @@ def test_no_honest_miner_is_ever_convicted(network):
 def test_honest_miners_end_every_round_on_the_same_theta(network):
     hashes = [{e["round"]: e["theta_hash"] for e in network["rounds"][name] if e["allreduce_ok"]} for name in HONEST]
     common = sorted(set.intersection(*(set(h) for h in hashes)))
-    assert len(common) >= SETTINGS.judged_rounds, hashes
+    assert len(common) >= SETTINGS.judged_rounds, round_lines(network["rounds"])
     assert all(len({h[r] for h in hashes}) == 1 for r in common), [(r, [h[r] for h in hashes]) for r in common]
+
+
+def round_lines(rounds: dict[str, list[dict]]) -> str:
+    """Each honest miner's rounds, one line each, with why a round was not applied (what a failed count prints)."""
+    def said(event: dict) -> str:
+        return f"{event['round']} " + (f"ok {event['theta_hash'][:8]}" if event["allreduce_ok"] else event["reason"])
+
+    return "\n".join(f"{name}: " + ", ".join(map(said, events)) for name, events in rounds.items())
 
 
 @pytest.mark.timeout(900)
