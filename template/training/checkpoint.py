@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,31 @@ def save_checkpoint(
             tmp.unlink(missing_ok=True)
     _prune(directory, keep, round)
     return manifest_path
+
+
+class BackgroundCheckpoints:
+    """Writes checkpoints of one directory on a background thread, one at a time, while training goes on (the write
+    was most of a round's bookkeeping: ~80 ms for the tiny preset, seconds for larger ones). A failed write raises its
+    CheckpointError from the next :meth:`write` or :meth:`flush`; the checkpoint before it stays the latest."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._pool = ThreadPoolExecutor(1, "checkpoint")
+        self._writing: Future[Path] | None = None
+
+    def write(self, round: int, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+        """:func:`save_checkpoint` in the background; ``tensors`` must be copies the caller no longer changes."""
+        self.flush()
+        self._writing = self._pool.submit(save_checkpoint, self.directory, round, tensors, metadata)
+
+    def flush(self) -> None:
+        """Wait for the checkpoint being written (if any); raise its CheckpointError if the write failed."""
+        if (writing := self._writing) is not None:
+            self._writing = None
+            writing.result()
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 def _temp_path(directory: Path, suffix: str, registry: list[Path]) -> Path:
