@@ -10,24 +10,24 @@ A round reads like the pseudo-code of DESIGN.md §1 (:meth:`DiLoCoPeer.run_round
     Δ̄  = all-reduce(c, weight = tokens)                              (committed, checked; never a partial result)
     θ_{r+1} = OuterNesterov(θ_r, Δ̄)
 
-With overlap (``RunSpec.overlap``, ``--overlap``) round r's all-reduce runs in the background while round r+1 trains,
-and its outer step lands one round late. Writing G_r for θ after the outer steps of rounds 0 … r−1 (the same on every
-peer, with the same outer momentum), a round r+1 starts while Δ̄_r is in flight, so each peer lets its own
-contribution c_r, shrunk by s (``outer.stand_in_scale``: the fit of its last average on its last c), stand in for it
-(the *eager* update of Kale et al., 2025)::
+With overlap (``RunSpec.overlap``, ``--overlap``) round r's all-reduce runs in the background while round r+1 trains.
+Writing G_r for θ after the outer steps of rounds 0 … r−1 (the same on every peer, with the same outer momentum),
+round r+1 starts while Δ̄_r is in flight, from each peer's own contribution c_r, shrunk by s (``outer.stand_in_scale``:
+the fit of its last average on its last c), standing in for it (the *eager* update of Kale et al., 2025), and the
+stand-in's error is corrected as soon as the average lands, between two chunks of inner steps (*on arrival*)::
 
     S = OuterNesterov(G_r, s·decode(c_r))  on copies (θ and momentum unchanged)    (G_0 for round 0)
-    θ_local ← S; the plan's inner steps; Δ_{r+1} = S − θ_local
-    G_{r+1} = OuterNesterov(G_r, Δ̄_r)                                (round r lands: the true average)
-    all-reduce(Δ_{r+1}) starts in the background; it lands at the end of round r+2
+    θ_local ← S; the plan's inner steps, and as soon as Δ̄_r has landed:
+        G_{r+1} = OuterNesterov(G_r, Δ̄_r); θ_local += G_{r+1} − S;  Δ_{r+1} = G_{r+1} − θ_local at the end
+    (landed after training: G_{r+1} as above and Δ_{r+1} = S − θ_local, the plain eager update)
+    all-reduce(Δ_{r+1}) starts in the background
 
-G — what is checkpointed, shared with joiners and compared by the group (the ``base`` of a round is the G it
-started from) — stays bit-identical on every peer; only the start point S is a peer's own, and it is a function of
-public data (G, the bytes the peer contributed and the averages). Why eager, shrunk, with plain SGD, and not a
-one-round-delayed step (which diverged with Nesterov 0.9): docs/benchmarks.md §1a. A peer that did not land the
-previous round (its all-reduce failed, or it restarted with nothing in flight) re-syncs from live peers after its next
-round's training, when they have settled the round before: their state is G with the round whose all-reduce they
-expect in flight, the same round as its own. A crash loses the round in flight (the checkpoint holds G and the next).
+G — checkpointed, shared with joiners, compared by the group; a round's ``base`` (what publications name) is the G it
+started from — stays bit-identical on every peer; only S and when the average landed are a peer's own. Why eager,
+shrunk, plain SGD, corrected: docs/benchmarks.md §1a, §9. A peer that did not land the previous round (its all-reduce
+failed, or it restarted with nothing in flight) re-syncs from live peers after its next round's training, when they
+have settled the round before: their state is G with the round whose all-reduce they expect in flight, the same round
+as its own. A crash loses the round in flight (the checkpoint holds G and the next).
 
 What is guaranteed when things go wrong:
 
@@ -52,9 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,10 +72,10 @@ from template.allreduce.contribution import (
 )
 from template.allreduce.terms import AllReduceFaults
 from template.training.checkpoint import (
+    BackgroundCheckpoints,
     CheckpointError,
     flatten_state,
     load_latest_checkpoint,
-    save_checkpoint,
     unflatten_state,
 )
 from template.training.data import DataAssignment, TokenCorpus
@@ -91,9 +89,9 @@ from template.training.joining import (
     wait_until_ready,
 )
 from template.training.model import build_model, place_model
-from template.training.outer import OuterOptimizer, load_into, stand_in_scale
+from template.training.outer import OuterOptimizer, load_into, move_start, stand_in_scale
 from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport, Tensors
-from template.training.round_state import InFlight, Trained, train_in_chunks
+from template.training.round_state import Arrival, InFlight, Landing, Trained, may_apply, train_in_chunks
 from template.training.spec import RunMismatchError, RunSpec, fingerprint_of
 
 __all__ = ["DiLoCoPeer", "Progress", "RoundOutcome", "RoundPlan", "RoundReport", "RunMismatchError", "RunSpec"]
@@ -142,8 +140,7 @@ class DiLoCoPeer:
         self.node = node
         self.device = torch.device(device)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self._checkpoints = ThreadPoolExecutor(1, "checkpoint") if self.checkpoint_dir is not None else None
-        self._writing: Future[Path] | None = None  # the checkpoint being written
+        self._checkpoints = BackgroundCheckpoints(self.checkpoint_dir) if self.checkpoint_dir is not None else None
         self.heldout_batches = heldout_batches
         self.on_progress = on_progress
         averaging = averaging or AveragingConfig()
@@ -234,9 +231,10 @@ class DiLoCoPeer:
         If that re-sync adopts a state that is already past the plan's round, the plan is stale: nothing is trained
         and the outcome says so (plan the peer's new round next).
 
-        With overlap (``spec.overlap``), the call that trains round r lands round r−1's all-reduce (which ran while
-        round r trained), takes its outer step, starts round r's all-reduce in the background and returns round
-        r−1's outcome — None when no round was in flight; :meth:`land_last_round` lands the last one.
+        With overlap (``spec.overlap``), the call that trains round r lands round r−1's all-reduce (which runs while
+        round r trains: between two chunks of inner steps once it has finished, else after them), takes its outer step,
+        starts round r's all-reduce in the background and returns round r−1's outcome — None when no round was in
+        flight; :meth:`land_last_round` lands the last one.
         """
         if plan.round < self.round:
             raise ValueError(f"round {plan.round} is over: this peer is at round {self.round}")
@@ -274,7 +272,11 @@ class DiLoCoPeer:
         # is in step again, and a state adopted now would throw away a round it took part in.
         leader, landing = self.node.is_leader, self._in_flight
         result, applied = None, (False, "")
-        landed_first = landing is not None and leader and self._resync_needed
+        early = trained.landed
+        if early is not None:  # round r−1 landed while round r trained
+            result, applied = early.result, early.applied
+            landing.landed_at_step = early.at_step
+        landed_first = early is None and landing is not None and leader and self._resync_needed
         if landed_first:
             result = landing.result()
             applied = self._apply(result, trained.base_hash)
@@ -288,7 +290,7 @@ class DiLoCoPeer:
         # θ is hashed once per change (a pass over θ takes seconds for the 1b preset): training left it as the
         # round's base on the leader unless a re-sync replaced it (other ranks take the leader's θ when they sync)
         theta_hash = trained.base_hash if leader and not adopted else self.outer.theta_hash()
-        if landing is not None and (adopted or not landed_first):
+        if landing is not None and early is None and (adopted or not landed_first):
             result = landing.result()
             applied = self._apply(result, theta_hash)
         if applied[0]:
@@ -344,8 +346,12 @@ class DiLoCoPeer:
             load_into(self.model, start)  # θ_local ← the start point (overlap)
         base_hash = self.outer.theta_hash()
         log.info("round %d starts from θ %s", r, base_hash[:12])
+        arrival = self._arrival(base_hash, start)
         stats = train_in_chunks(self.inner, self.node, self._rank_batches(list(plan.windows)), plan.max_steps,
-                                plan.train_until, self.on_progress, r)
+                                plan.train_until, self.on_progress, r, arrival)
+        landed = arrival.landed if arrival is not None else None
+        if landed is not None and landed.applied[0]:
+            start = None  # corrected: the round went on from G_r, and its Δ is measured from there
         trained_at = time.monotonic()
         delta = contribution = None
         if self.averager is not None:
@@ -357,7 +363,30 @@ class DiLoCoPeer:
             if plan.contributes:
                 delta = self.outer.pseudo_gradient(self.model, start)
                 contribution = self._encode(contribute(r, delta) if contribute is not None else delta)
-        return Trained(plan, base_hash, None, stats, delta, contribution, trained_at)
+        return Trained(plan, base_hash, None, stats, delta, contribution, trained_at, landed)
+
+    def _arrival(self, base_hash: str, start: Tensors | None) -> Arrival | None:
+        """Overlap: the all-reduce in flight, for :func:`train_in_chunks` to land while this round trains (None when
+        nothing is in flight or the round trains from θ itself). A peer out of step lands it after training instead
+        (``run_round``)."""
+        landing = self._in_flight
+        if landing is None or start is None:
+            return None
+
+        def ready() -> bool:
+            return not self._resync_needed and landing.pending is not None and landing.pending.done()
+
+        def land(steps: int) -> Landing:  # every rank: round r−1's outer step, then θ_local += G_r − S
+            result = landing.result()
+            applied = self._apply(result, base_hash)
+            if self.node.broadcast_int(int(applied[0])):
+                if self.node.distributed:
+                    self.node.broadcast_tensors(self.outer.params())
+                move_start(self.model, start, self.outer.params())
+                log.info("round %d landed after %d inner steps: θ_local corrected", landing.trained.plan.round, steps)
+            return Landing(steps, result, applied)
+
+        return Arrival(ready, land)
 
     def _begin(self, trained: Trained, onto: str) -> tuple[Trained, AveragingHandle | None]:
         """Commit to the round's contribution and start matchmaking (leader). ``onto`` is the hash of the θ the
@@ -405,6 +434,7 @@ class DiLoCoPeer:
             inner_s=trained.stats.seconds, bytes_sent=result.bytes_sent if result else 0,
             theta_hash=theta_hash if theta_hash is not None else self.outer.theta_hash(), allreduce_wait_s=wait_s,
             segments_refuted=len(result.evidence.refuted()) if result else 0,
+            landed_after_steps=landing.landed_at_step if landing is not None else None,
         )
         return RoundOutcome(report, trained.base, trained.delta, averaged, result, trained.contribution,
                             handle.commitment if handle is not None else None)
@@ -477,31 +507,14 @@ class DiLoCoPeer:
         return RoundOutcome(report, None, None, None, None, None, None)
 
     def _apply(self, result: AveragingResult | None, current: str) -> tuple[bool, str]:
-        """Take the outer step (leader) if the all-reduce succeeded and our θ (hash ``current``) is the one the group's
-        majority applies the average to."""
+        """Take the outer step (leader) when :func:`may_apply` says so; returns its verdict."""
         if not self.node.is_leader:
             return False, ""
-        if result is None:
-            return False, "no averager"
-        if not result.ok:
-            return False, result.reason
-        contributors = sum(1 for weight in result.weights.values() if weight > 0)
-        if contributors < self.min_contributors:
-            # hivemind counts auxiliary members (validators) and zero-token members toward the group size: a
-            # trainer "averaging" with a validator alone would apply its own Δ and drift away from the others
-            return False, f"only {contributors} peer(s) with tokens in the group: round not applied"
-        targets: Counter[str] = Counter()
-        for peer, gathered in result.group.items():
-            if isinstance(gathered, dict) and isinstance(gathered.get("onto"), str):
-                targets[gathered["onto"]] += result.weights.get(peer, 0.0)
-        majority = max(targets.items(), key=lambda item: (item[1], item[0]))[0] if targets else current
-        if majority != current:
-            log.warning("our θ %s differs from the group's %s (by weight: %s)", current[:12], majority[:12],
-                        {k[:12]: v for k, v in targets.items()})
-            return False, "our θ differs from the group's: re-syncing"
-        with self.state.changing():
-            self.outer.step(result.averaged)
-        return True, ""
+        verdict = may_apply(result, current, self.min_contributors)
+        if verdict[0]:
+            with self.state.changing():
+                self.outer.step(result.averaged)
+        return verdict
 
     def evaluate_heldout(self, round: int) -> float:
         """Loss of the model's current parameters on held-out windows (assigned to no peer)."""
@@ -536,28 +549,21 @@ class DiLoCoPeer:
             self._start = None
 
     def save(self) -> None:
-        """Checkpoint θ_r, the outer momentum, the inner AdamW state, the error feedback and the round (leader rank).
-
-        The tensors are copied here; the write (atomic, fsync'ed: :func:`save_checkpoint`) runs on a background thread
-        while the next round trains, one at a time (it was most of a round's bookkeeping: ~80 ms for the tiny preset,
-        seconds for larger ones). A failed write raises its CheckpointError from the next :meth:`save` or
-        :meth:`flush_checkpoint`; the checkpoint before it stays the latest."""
+        """Checkpoint θ_r, the outer momentum, the inner AdamW state, the error feedback and the round (leader rank),
+        copied here and written in the background (:class:`BackgroundCheckpoints`)."""
         if self._checkpoints is None or not self.node.is_leader:
             return
-        self.flush_checkpoint()
         outer_tensors = {f"outer.{k}": v for k, v in self.outer.state_dict().items()}  # copies already
         inner_tensors, inner_skeleton = flatten_state("inner", self.inner.state_dict())
         feedback = {"feedback.residual": self.residual} if self.residual.numel() else {}
         changing = {name: t.detach().to("cpu", copy=True) for name, t in {**inner_tensors, **feedback}.items()}
         metadata = dict(fingerprint=self.fingerprint, round=self.round, inner=inner_skeleton, peer_key=self.peer_key)
-        self._writing = self._checkpoints.submit(save_checkpoint, self.checkpoint_dir, self.round,
-                                                 {**outer_tensors, **changing}, metadata)
+        self._checkpoints.write(self.round, {**outer_tensors, **changing}, metadata)
 
     def flush_checkpoint(self) -> None:
         """Wait for the checkpoint being written (if any); raise its CheckpointError if the write failed."""
-        if (writing := self._writing) is not None:
-            self._writing = None
-            writing.result()
+        if self._checkpoints is not None:
+            self._checkpoints.flush()
 
     def _load_checkpoint(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
         with self.state.changing():
@@ -576,7 +582,7 @@ class DiLoCoPeer:
         except CheckpointError as err:
             log.error("the last checkpoint was not written: %s", err)
         if self._checkpoints is not None:
-            self._checkpoints.shutdown()
+            self._checkpoints.close()
         self._drop_in_flight("stopping")  # its finish would otherwise keep a thread alive until its deadline
         if self.averager is not None:
             self.averager.shutdown()

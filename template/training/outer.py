@@ -178,6 +178,14 @@ class OuterOptimizer:
 
 
 @torch.no_grad()
+def move_start(model: torch.nn.Module, start: list[torch.Tensor], to: list[torch.Tensor]) -> None:
+    """θ_local += ``to`` − ``start``: the model trained on from ``start`` now trains on as if it had started from ``to``
+    (the correction on arrival: the stand-in's error moves it; the inner optimizer's state stays as it is)."""
+    for p, s, t in zip(model.parameters(), start, to, strict=True):
+        p.add_((t - s).to(p.device, p.dtype))
+
+
+@torch.no_grad()
 def load_into(model: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
     """Copies ``tensors`` (``model.parameters()`` order and shapes) into the model's parameters in place."""
     for p, tensor in zip(model.parameters(), tensors, strict=True):

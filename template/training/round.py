@@ -68,6 +68,8 @@ class RoundReport:
     allreduce_wait_s: float = 0.0  # of allreduce_s, how long training stood still for it (overlap: the rest ran
     # while the next round trained)
     segments_refuted: int = 0  # averaged segments that missed their owner's claims: no step there, on every member
+    landed_after_steps: int | None = None  # overlap: the next round's inner steps trained before this round's average
+    # landed and corrected them (None: it landed after that round's training, or without overlap)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ trains."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from template.training.distributed import NodeGroup
 from template.training.inner import Batch, InnerTrainer
 from template.training.round import Progress, RoundPlan, Tensors
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -25,12 +29,35 @@ class Stats:
     seconds: float
 
 
-def train_in_chunks(inner: InnerTrainer, node: NodeGroup, batches: Iterator[Batch], steps: int,
-                    deadline: float | None, on_progress: Callable[[Progress], None] | None, r: int) -> Stats:
-    """Round ``r``'s inner steps in chunks of up to 10, reporting progress (leader) between chunks.
+@dataclass(frozen=True)
+class Landing:
+    """Round r−1's all-reduce, landed while round r trained (overlap)."""
 
-    The leader decides between chunks whether to go on (deadline) and tells the other ranks, so that all
-    ranks of a node always run the same number of DDP steps.
+    at_step: int  # round r's inner steps trained before it landed
+    result: AveragingResult | None  # None on ranks other than the leader
+    applied: tuple[bool, str]  # the outer step taken or not, and why not (``DiLoCoPeer._apply``)
+
+
+@dataclass
+class Arrival:
+    """Overlap: round r−1's all-reduce, in flight while round r trains (the correction on arrival, :mod:`diloco`).
+
+    Until it has landed, inner steps run one at a time and before each the leader asks ``ready`` (it never waits);
+    once it says yes, every rank calls ``land`` with the number of steps trained so far, once, at the same step."""
+
+    ready: Callable[[], bool]
+    land: Callable[[int], Landing]
+    landed: Landing | None = None
+
+
+def train_in_chunks(inner: InnerTrainer, node: NodeGroup, batches: Iterator[Batch], steps: int,
+                    deadline: float | None, on_progress: Callable[[Progress], None] | None, r: int,
+                    arrival: Arrival | None = None) -> Stats:
+    """Round ``r``'s inner steps in chunks of up to 10 (of one while ``arrival`` has not landed: the sooner a landed
+    average is taken, the less of the round trains from the stand-in), reporting progress (leader) between chunks.
+
+    The leader decides between chunks whether to go on (deadline) and whether ``arrival`` has landed, and tells the
+    other ranks, so that all ranks of a node always run the same number of DDP steps and land it at the same step.
     """
     chunk = max(1, min(10, steps))
     total_steps = total_tokens = 0
@@ -38,9 +65,14 @@ def train_in_chunks(inner: InnerTrainer, node: NodeGroup, batches: Iterator[Batc
     last_loss = None
     while total_steps < steps:
         in_time = deadline is None or time.time() < deadline
-        if not node.broadcast_int(int(in_time)):
+        landed = arrival is not None and arrival.landed is None and node.is_leader and arrival.ready()
+        go, landed = node.broadcast_ints([int(in_time), int(landed)])
+        if landed:
+            arrival.landed = arrival.land(total_steps)
+        if not go:
             break
-        stats = inner.train(batches, min(chunk, steps - total_steps))
+        waiting = arrival is not None and arrival.landed is None
+        stats = inner.train(batches, min(1 if waiting else chunk, steps - total_steps))
         if stats.steps == 0:
             break
         total_steps += stats.steps
@@ -65,6 +97,7 @@ class Trained:
     delta: Tensors | None
     contribution: EncodedContribution | None
     trained_at: float  # time.monotonic() when inner training ended
+    landed: Landing | None = None  # overlap: round r−1's all-reduce, when it landed while this round trained
 
 
 @dataclass
@@ -77,6 +110,7 @@ class InFlight:
     begun_at: float  # time.time() when its all-reduce was handed over
     round_s: float = 0.0  # wall time of the call that trained it (set when that call returns)
     waited_s: float = 0.0  # how long the peer stood still for the result
+    landed_at_step: int | None = None  # the next round's inner steps trained before it landed (None: after them)
 
     def result(self) -> AveragingResult | None:
         """The all-reduce's result (None on ranks other than the leader); returns by the step's deadline."""
@@ -84,3 +118,28 @@ class InFlight:
         result = self.pending.result() if self.pending is not None else None
         self.waited_s = time.monotonic() - started
         return result
+
+
+def may_apply(result: AveragingResult | None, current: str, min_contributors: int) -> tuple[bool, str]:
+    """Whether a peer whose θ has hash ``current`` may take the outer step with ``result``, and why not: the all-reduce
+    succeeded with at least ``min_contributors`` trainers in it, and ``current`` is the θ the group's token-weighted
+    majority applies the average to (``onto``)."""
+    if result is None:
+        return False, "no averager"
+    if not result.ok:
+        return False, result.reason
+    contributors = sum(1 for weight in result.weights.values() if weight > 0)
+    if contributors < min_contributors:
+        # hivemind counts auxiliary members (validators) and zero-token members toward the group size: a
+        # trainer "averaging" with a validator alone would apply its own Δ and drift away from the others
+        return False, f"only {contributors} peer(s) with tokens in the group: round not applied"
+    targets: Counter[str] = Counter()
+    for peer, gathered in result.group.items():
+        if isinstance(gathered, dict) and isinstance(gathered.get("onto"), str):
+            targets[gathered["onto"]] += result.weights.get(peer, 0.0)
+    majority = max(targets.items(), key=lambda item: (item[1], item[0]))[0] if targets else current
+    if majority != current:
+        log.warning("our θ %s differs from the group's %s (by weight: %s)", current[:12], majority[:12],
+                    {k[:12]: v for k, v in targets.items()})
+        return False, "our θ differs from the group's: re-syncing"
+    return True, ""

@@ -163,6 +163,8 @@ class RunWatch:
                 round_s=max(rep["round_s"] for rep in reports.values()),
                 bytes_sent_per_peer=max(rep["bytes_sent"] for rep in reports.values()),
                 failures={peer: rep["reason"] for peer, rep in reports.items() if not rep["allreduce_ok"]},
+                # overlap: after how many of the next round's inner steps each peer's average landed (None: after all)
+                landed_after_steps={peer: rep.get("landed_after_steps") for peer, rep in reports.items()},
             ))
         final = {peer: event["theta_hash"] for peer, event in self.done.items()}
         finished = set(final) == set(self.peers)

@@ -47,8 +47,10 @@ def _rounds_of(events: list[dict], peer: str) -> list[dict]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["--no-overlap", "--overlap"])
 def test_three_peers_train_in_lockstep_and_heldout_loss_falls(tmp_path, mode):
-    """Blocking and overlapped (round r's all-reduce lands during round r+1): the same θ on every peer every round."""
-    summary = _run_launcher(tmp_path, "--peers", "3", "--rounds", "3", "--inner-steps", "15",
+    """Blocking and overlapped (round r's all-reduce lands during round r+1): the same θ on every peer every round.
+    Overlapped rounds are long enough for each average to land while the next round trains, and be corrected there."""
+    steps = 40 if mode == "--overlap" else 15
+    summary = _run_launcher(tmp_path, "--peers", "3", "--rounds", "3", "--inner-steps", str(steps),
                             "--matchmaking-time", "8", mode, *FAST)
     assert summary["returncode"] == 0, summary["stderr"][-3000:]
     assert summary["passed"] and summary["identical"] and summary["finished"]
@@ -61,6 +63,14 @@ def test_three_peers_train_in_lockstep_and_heldout_loss_falls(tmp_path, mode):
     losses = [r["heldout_loss"] for r in rounds]
     assert losses[0] > losses[1] > losses[2], losses
     assert len(set(summary["final_theta_hashes"].values())) == 1
+    landed = [r["landed_after_steps"] for r in rounds]
+    if mode == "--overlap":  # rounds 0 and 1 land while the next round trains (or after it: a slow group), the last
+        # one after training; a landing in the round was taken on every peer alike (θ identical above)
+        during = [at for r in landed[:2] for at in r.values() if at is not None]
+        assert during and all(0 <= at < steps for at in during), landed
+        assert all(at is None for at in landed[2].values()), landed
+    else:
+        assert all(at is None for r in landed for at in r.values()), landed
 
 
 @pytest.mark.timeout(600)
@@ -167,7 +177,9 @@ def test_a_restarted_peer_resumes_from_its_checkpoint(tmp_path):
 def test_a_two_rank_torchrun_peer_trains_with_a_single_process_peer(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun ships with torch"
-    common = ["--rounds", "2", "--inner-steps", "8", "--matchmaking-time", "6", "--expected-peers", "2", *FAST]
+    # overlapped (the default), round 0's average lands while round 1 trains: both ranks correct θ_local at once
+    steps = 30
+    common = ["--rounds", "2", "--inner-steps", str(steps), "--matchmaking-time", "6", "--expected-peers", "2", *FAST]
     events: queue.Queue = queue.Queue()
     node = single = None
     collected: list[dict] = []
@@ -196,7 +208,8 @@ def test_a_two_rank_torchrun_peer_trains_with_a_single_process_peer(tmp_path):
     node_rounds = _rounds_of(collected, "node")
     assert [r["round"] for r in node_rounds] == [0, 1] and all(r["allreduce_ok"] for r in node_rounds)
     # the node's two ranks each trained half of every batch: the node reports the whole batch's tokens
-    assert all(r["tokens"] == 8 * 8 * 64 for r in node_rounds)
+    assert all(r["tokens"] == steps * 8 * 64 for r in node_rounds)
+    assert 0 <= node_rounds[0]["landed_after_steps"] < steps, node_rounds[0]
 
 
 @pytest.mark.timeout(300)
