@@ -65,6 +65,7 @@ import logging
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
@@ -353,8 +354,10 @@ def run_arm(setup: Setup, arm: Arm) -> dict[str, Any]:
     )
 
 
-def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float) -> dict[str, Any]:
-    """The same DiLoCo run through the real engine (peer processes, hivemind all-reduce); evaluate peer 0's θ."""
+def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float,
+               overlap: bool = False) -> dict[str, Any]:
+    """The same DiLoCo run through the real engine (peer processes, hivemind all-reduce); evaluate peer 0's θ.
+    ``overlap``: the engine overlapped (its correction on arrival), against the exact arm's blocking rounds."""
     from template.training.checkpoint import load_latest_checkpoint
     from template.training.outer import OuterOptimizer
 
@@ -364,7 +367,7 @@ def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float
             "--init-seed", str(setup.init_seed), "--outer-lr", str(arm.outer_lr),
             "--outer-momentum", str(arm.outer_momentum), "--compression", arm.codec, "--heldout-batches", "0",
             "--matchmaking-time", str(matchmaking_time), "--join-timeout", "60",
-            "--no-overlap"]  # the exact arm it is checked against waits for every all-reduce
+            "--overlap" if overlap else "--no-overlap"]  # the exact arm waits for every all-reduce
     with tempfile.TemporaryDirectory(prefix="bench-conv-") as out:
         run = run_peers(setup.workers, args, Path(out), timeout_s, threads=1)
         result: dict[str, Any] = dict(asdict(arm), seconds=round(run.seconds, 1), finished=run.finished,
@@ -373,6 +376,9 @@ def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float
         result["failed_allreduces"] = len(failed)
         result["failures"] = [dict(peer=e["peer_key"], round=e["round"], reason=e["reason"]) for e in failed]
         result["theta_identical_across_peers"] = len({e["theta_hash"] for e in run.done.values()}) == 1
+        # overlap: after how many of the next round's inner steps each average landed (null: after its training)
+        result["landed_after_steps"] = sorted(Counter(e.get("landed_after_steps") for events in run.rounds.values()
+                                                      for e in events).items(), key=lambda kv: (kv[0] is None, kv[0]))
         checkpoint = load_latest_checkpoint(Path(out) / "peer0")
         if not run.finished or checkpoint is None or checkpoint.round != setup.rounds:
             return result
@@ -450,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "comma-separated, one arm each (default H/2)")
     parser.add_argument("--engine", choices=["exact", "hivemind", "both"], default="exact")
     parser.add_argument("--engine-codec", default="fp16", help="codec of the hivemind-engine run")
+    parser.add_argument("--engine-overlap", action="store_true",
+                        help="the hivemind-engine run overlaps (compared with the exact arm, which blocks)")
+    parser.add_argument("--engine-matchmaking-time", type=float, default=None,
+                        help="seconds a hivemind-engine round waits for its group (default 5; --quick 2). Overlapped "
+                             "peers run free without a chain clock: give it about a round's training, or a peer "
+                             "that falls behind by more misses the group")
     parser.add_argument("--jobs", type=int, default=None, help="arms trained in parallel (default 2; --quick 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of the hivemind-engine run, seconds")
     return parser
@@ -553,12 +565,15 @@ def main(argv: list[str] | None = None) -> int:
                     log.info("%s: held-out loss %.4f", name, arm_results[name]["final_heldout_loss"])
             arm_results = {arm.name: arm_results[arm.name] for arm in arms}
     if args.engine in ("hivemind", "both"):
-        arm = Arm(f"hivemind_{args.engine_codec}", "diloco", args.engine_codec, headline_lr, headline_momentum)
-        engine = run_engine(setup, arm, args.timeout, matchmaking_time=2.0 if quick else 5.0)
+        name = f"hivemind_{args.engine_codec}{'_overlap' if args.engine_overlap else ''}"
+        arm = Arm(name, "diloco", args.engine_codec, headline_lr, headline_momentum)
+        matchmaking_time = args.engine_matchmaking_time or (2.0 if quick else 5.0)
+        engine = run_engine(setup, arm, args.timeout, matchmaking_time, args.engine_overlap)
         exact = arm_results.get(f"diloco_{args.engine_codec}")
         if exact is not None and "final_heldout_loss" in engine:
             engine["loss_over_exact"] = engine["final_heldout_loss"] / exact["final_heldout_loss"]
-            engine["theta_bit_identical_to_exact"] = engine["theta_hash"] == exact["theta_hash"]
+            if not args.engine_overlap:  # overlapped, θ differs from blocking's by design
+                engine["theta_bit_identical_to_exact"] = engine["theta_hash"] == exact["theta_hash"]
         arm_results[arm.name] = engine
     result["arms"] = arm_results
     result["summary"] = summarize(arm_results, codecs)
