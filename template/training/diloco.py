@@ -14,7 +14,7 @@ With overlap (``RunSpec.overlap``, ``--overlap``) round r's all-reduce runs in t
 Writing G_r for θ after the outer steps of rounds 0 … r−1 (the same on every peer, with the same outer momentum),
 round r+1 starts while Δ̄_r is in flight, from each peer's own contribution c_r, shrunk by s (``outer.stand_in_scale``:
 the fit of its last average on its last c), standing in for it (the *eager* update of Kale et al., 2025), and the
-stand-in's error is corrected as soon as the average lands, between two chunks of inner steps (*on arrival*)::
+stand-in's error is corrected as soon as the average lands, between two inner steps (*on arrival*)::
 
     S = OuterNesterov(G_r, s·decode(c_r))  on copies (θ and momentum unchanged)    (G_0 for round 0)
     θ_local ← S; the plan's inner steps, and as soon as Δ̄_r has landed:
@@ -232,7 +232,7 @@ class DiLoCoPeer:
         and the outcome says so (plan the peer's new round next).
 
         With overlap (``spec.overlap``), the call that trains round r lands round r−1's all-reduce (which runs while
-        round r trains: between two chunks of inner steps once it has finished, else after them), takes its outer step,
+        round r trains: between two inner steps once it has finished, else after them), takes its outer step,
         starts round r's all-reduce in the background and returns round r−1's outcome — None when no round was in
         flight; :meth:`land_last_round` lands the last one.
         """
