@@ -467,6 +467,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def engine_arm(args: argparse.Namespace, outer_lr: float, outer_momentum: float) -> Arm:
+    """The hivemind engine's arm; overlapped, it is the engine's correction on arrival (landing when the machine's
+    timing lets it: its result's ``landed_after_steps``), summarised against the blocking arm of its codec."""
+    overlap = "corrected" if args.engine_overlap else "blocking"
+    name = f"hivemind_{args.engine_codec}{'_overlap' if args.engine_overlap else ''}"
+    return Arm(name, "diloco", args.engine_codec, outer_lr, outer_momentum, overlap=overlap)
+
+
 def build_arms(args: argparse.Namespace) -> tuple[list[Arm], list[str]]:
     """The arms a command line asks for, and the codecs of the plain ``diloco_<codec>`` arms."""
     outer = parse_outer(args.outer) if args.outer else []
@@ -565,8 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                     log.info("%s: held-out loss %.4f", name, arm_results[name]["final_heldout_loss"])
             arm_results = {arm.name: arm_results[arm.name] for arm in arms}
     if args.engine in ("hivemind", "both"):
-        name = f"hivemind_{args.engine_codec}{'_overlap' if args.engine_overlap else ''}"
-        arm = Arm(name, "diloco", args.engine_codec, headline_lr, headline_momentum)
+        arm = engine_arm(args, headline_lr, headline_momentum)
         matchmaking_time = args.engine_matchmaking_time or (2.0 if quick else 5.0)
         engine = run_engine(setup, arm, args.timeout, matchmaking_time, args.engine_overlap)
         exact = arm_results.get(f"diloco_{args.engine_codec}")

@@ -49,9 +49,10 @@ def compression_summary(arms: dict[str, dict], loss: dict[str, float | None]) ->
     summary: dict[str, Any] = {}
     if dense:
         table = {name: dict(loss=loss[name], over_dense_fp32=loss[name] / dense,
-                            contribution_bits_per_param=arms[name]["contribution_bits_per_param"],
-                            averaged_bits_per_param=arms[name]["averaged_bits_per_param"])
-                 for name, arm in arms.items() if arm.get("kind") == "diloco" and loss.get(name)}
+                            contribution_bits_per_param=arm["contribution_bits_per_param"],
+                            averaged_bits_per_param=arm["averaged_bits_per_param"])
+                 for name, arm in arms.items()
+                 if arm.get("kind") == "diloco" and loss.get(name) and "averaged_bits_per_param" in arm}  # exact arms
         sparse = {name: row["over_dense_fp32"] for name, row in table.items()
                   if arms[name]["codec"] == "sparse" and arms[name]["overlap"] == "blocking"}
         summary.update(over_dense_fp32=table)

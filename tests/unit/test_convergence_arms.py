@@ -1,10 +1,14 @@
-"""The convergence benchmark's arms as its command line builds them (no training): the sparse sweep's grid."""
+"""The convergence benchmark's arms as its command line builds them (no training): the sparse sweep's grid, the
+corrected overlap's arrival steps, the engine's arm and how the summary reads it."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
-from benchmarks.convergence import build_arms, build_parser
+from benchmarks.convergence import build_arms, build_parser, engine_arm
+from benchmarks.convergence_summary import summarize
 from template.allreduce.codecs import SparseSettings
 
 
@@ -48,3 +52,17 @@ def test_the_corrected_overlap_gets_one_arm_per_arrival_step_inside_the_round():
 def test_an_arrival_step_outside_the_round_exits_with_its_reason(steps):
     with pytest.raises(SystemExit, match="bad --arrival-steps"):
         arms_of("--overlap", "fp16", "--inner-steps", "50", "--overlap-modes", "corrected", "--arrival-steps", steps)
+
+
+def test_the_overlapped_engine_is_summarised_against_the_blocking_arm_of_its_codec():
+    arm = engine_arm(build_parser().parse_args(["--engine", "both", "--engine-overlap"]), 1.0, 0.0)
+    assert (arm.name, arm.overlap) == ("hivemind_fp16_overlap", "corrected")
+    assert engine_arm(build_parser().parse_args(["--engine", "both"]), 1.0, 0.0).overlap == "blocking"
+    exact = dict(kind="diloco", overlap="blocking", contribution_bits_per_param=16.0, averaged_bits_per_param=16.0)
+    arms = {"diloco_none": dict(exact, codec="none", final_heldout_loss=1.5),
+            "diloco_fp16": dict(exact, codec="fp16", final_heldout_loss=1.5),
+            arm.name: dict(asdict(arm), final_heldout_loss=1.53)}  # an engine run counts no bits per parameter
+    summary = summarize(arms, ["none", "fp16"])
+    assert summary["overlap_over_blocking"] == {arm.name: pytest.approx(1.02)}
+    assert summary["overlap_goal_met"] == {arm.name: False}
+    assert set(summary["over_dense_fp32"]) == {"diloco_none", "diloco_fp16"}
