@@ -69,7 +69,7 @@ class RoundReport:
     # while the next round trained)
     segments_refuted: int = 0  # averaged segments that missed their owner's claims: no step there, on every member
     landed_after_steps: int | None = None  # overlap: the next round's inner steps trained before this round's average
-    # landed and corrected them (None: it landed after that round's training, or without overlap)
+    # landed (when its step was taken, they train on from the corrected θ); None: after their training, or blocking
 
 
 @dataclass(frozen=True)
