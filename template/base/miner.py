@@ -9,8 +9,9 @@ permit to fetch; checkpoint. A miner that joins late or missed rounds skips to t
 round and re-syncs θ from peers first.
 
 With ``--run.overlap`` (every neuron of the run alike) round r's all-reduce runs while round r+1 trains: training
-goes on until just before the round's last block, and the call that trains round r+1 lands round r (its outer step,
-publication and report come then, one round later; the publication still names the θ round r trained from).
+goes on until just before the round's last block, and the call that trains round r+1 lands round r (its outer step
+as soon as the average has landed, between two inner steps; its publication and report after that training, one
+round later; the publication still names the θ round r trained from).
 
 A multi-GPU miner runs under ``torchrun``: rank 0 (the leader) alone talks to the chain and hivemind; each round it
 broadcasts (go, round, train-until, finish-by) to the other ranks, which train data-parallel in lockstep.

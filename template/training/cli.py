@@ -83,7 +83,8 @@ def add_run_args(parser: argparse.ArgumentParser, flag: Spelling = dashed) -> No
              "with the sparse codec or overlap)")
     add("overlap", action=argparse.BooleanOptionalAction, default=None,
         help="train round r+1 while round r's all-reduce runs, from θ stepped with this peer's own contribution; "
-             "the true average's outer step lands one round late (the eager update of docs/benchmarks.md §1a). "
+             "the true average's outer step is taken as soon as it lands, between two inner steps, and the round "
+             "trains on from there (the eager update corrected on arrival, docs/benchmarks.md §1a). "
              f"{'--no-' + flag('run', 'overlap')[2:]} waits for every all-reduce. Default: on for the dense codecs "
              "(fp16: the tiny preset's), off for sparse (the small and 1b presets': +14.9 %% held-out loss "
              "overlapped)")

@@ -33,8 +33,8 @@ class OuterConfig:
 # Plain SGD at lr 1.0: θ − Δ̄. The outer step of a sparse run: values a sender kept arrive whole (the sparse codec's
 # ``mean_of="kept"``) and what it left waits in its decaying error feedback, which stands in for the outer momentum
 # (SparseLoCo); Nesterov 0.9 on top overshot and diverged (docs/benchmarks.md §7). And of an overlapped run (every
-# codec): each average lands one round late, on top of each peer's own contribution as a stand-in, and momentum on a
-# stale step overshoots — Nesterov 0.7/0.9 ended 16 % above the blocking run, plain SGD 1.7 % (§3a).
+# codec): each average lands during the next round, on top of each peer's own contribution as a stand-in, and
+# momentum on a stale step overshoots — Nesterov 0.7/0.9 ended 16 % above the blocking run, plain SGD 1.7 % (§3a).
 PLAIN_OUTER = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)
 
 

@@ -37,7 +37,7 @@ class RunSpec:
     heldout_fraction: float = 0.05
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
-    # round r's all-reduce runs while round r+1 trains, and its outer step lands one round late (diloco.py): peers
+    # round r's all-reduce runs while round r+1 trains, which takes its outer step when it lands (diloco.py): peers
     # of one run must agree, since it decides which θ every round starts from
     overlap: bool = False
 
