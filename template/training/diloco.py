@@ -553,6 +553,7 @@ class DiLoCoPeer:
         copied here and written in the background (:class:`BackgroundCheckpoints`)."""
         if self._checkpoints is None or not self.node.is_leader:
             return
+        self._checkpoints.flush()  # before copying: one checkpoint's copies in memory at a time (GBs for 1b)
         outer_tensors = {f"outer.{k}": v for k, v in self.outer.state_dict().items()}  # copies already
         inner_tensors, inner_skeleton = flatten_state("inner", self.inner.state_dict())
         feedback = {"feedback.residual": self.residual} if self.residual.numel() else {}
