@@ -354,10 +354,9 @@ def run_arm(setup: Setup, arm: Arm) -> dict[str, Any]:
     )
 
 
-def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float,
-               overlap: bool = False) -> dict[str, Any]:
+def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float) -> dict[str, Any]:
     """The same DiLoCo run through the real engine (peer processes, hivemind all-reduce); evaluate peer 0's θ.
-    ``overlap``: the engine overlapped (its correction on arrival), against the exact arm's blocking rounds."""
+    An overlapped arm (:func:`engine_arm`) runs the engine overlapped, against the exact arm's blocking rounds."""
     from template.training.checkpoint import load_latest_checkpoint
     from template.training.outer import OuterOptimizer
 
@@ -367,7 +366,7 @@ def run_engine(setup: Setup, arm: Arm, timeout_s: float, matchmaking_time: float
             "--init-seed", str(setup.init_seed), "--outer-lr", str(arm.outer_lr),
             "--outer-momentum", str(arm.outer_momentum), "--compression", arm.codec, "--heldout-batches", "0",
             "--matchmaking-time", str(matchmaking_time), "--join-timeout", "60",
-            "--overlap" if overlap else "--no-overlap"]  # the exact arm waits for every all-reduce
+            "--no-overlap" if arm.overlap == "blocking" else "--overlap"]  # the exact arm waits for every all-reduce
     with tempfile.TemporaryDirectory(prefix="bench-conv-") as out:
         run = run_peers(setup.workers, args, Path(out), timeout_s, threads=1)
         result: dict[str, Any] = dict(asdict(arm), seconds=round(run.seconds, 1), finished=run.finished,
@@ -575,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine in ("hivemind", "both"):
         arm = engine_arm(args, headline_lr, headline_momentum)
         matchmaking_time = args.engine_matchmaking_time or (2.0 if quick else 5.0)
-        engine = run_engine(setup, arm, args.timeout, matchmaking_time, args.engine_overlap)
+        engine = run_engine(setup, arm, args.timeout, matchmaking_time)
         exact = arm_results.get(f"diloco_{args.engine_codec}")
         if exact is not None and "final_heldout_loss" in engine:
             engine["loss_over_exact"] = engine["final_heldout_loss"] / exact["final_heldout_loss"]
