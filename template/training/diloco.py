@@ -91,7 +91,15 @@ from template.training.joining import (
 from template.training.model import build_model, place_model
 from template.training.outer import OuterOptimizer, load_into, move_start, stand_in_scale
 from template.training.round import Progress, RoundOutcome, RoundPlan, RoundReport, Tensors
-from template.training.round_state import Arrival, InFlight, Landing, Trained, may_apply, train_in_chunks
+from template.training.round_state import (
+    Arrival,
+    InFlight,
+    Landing,
+    Trained,
+    matchmaking_window,
+    may_apply,
+    train_in_chunks,
+)
 from template.training.spec import RunMismatchError, RunSpec, fingerprint_of
 
 __all__ = ["DiLoCoPeer", "Progress", "RoundOutcome", "RoundPlan", "RoundReport", "RunMismatchError", "RunSpec"]
@@ -398,7 +406,7 @@ class DiLoCoPeer:
         if self.averager is None:
             return trained, None
         plan = trained.plan
-        scheduled = time.time() + self.averaging_config.matchmaking_time
+        scheduled = time.time() + matchmaking_window(self.averaging_config.matchmaking_time, trained, self.spec.overlap)
         gather = dict(peer_key=self.peer_key, round=plan.round, base=trained.base_hash, onto=onto,
                       fingerprint=self.fingerprint)
         return trained, self.averager.begin(trained.contribution, trained.stats.tokens, gather, scheduled,

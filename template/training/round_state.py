@@ -143,3 +143,19 @@ def may_apply(result: AveragingResult | None, current: str, min_contributors: in
                     {k[:12]: v for k, v in targets.items()})
         return False, "our θ differs from the group's: re-syncing"
     return True, ""
+
+
+def matchmaking_window(matchmaking_time: float, trained: Trained, overlapped: bool) -> float:
+    """How long a peer gathers ``trained``'s group, from when it begins looking.
+
+    ``matchmaking_time`` is enough where something brings the peers to the same start: a chain clock (the plan's
+    ``finish_by``: every neuron starts looking at the same block) or a blocking all-reduce (a barrier every round).
+    Free-running overlapped peers have no barrier but the wait, at the end of a round's training, for the round
+    before's average, which needs every groupmate to have trained that round: so a groupmate can begin looking up to
+    one round's training later than this peer. Gathering for ``matchmaking_time`` alone lost 9–11 of 120 all-reduces
+    to that drift (docs/benchmarks.md §1a), so the window covers this round's training time more. It costs nothing
+    when the whole group is there: a group forms as soon as ``target_group_size`` members have joined; only a round
+    that misses a peer waits the longer window (in the background) before going on without it."""
+    if not overlapped or trained.plan.finish_by is not None:
+        return matchmaking_time
+    return matchmaking_time + trained.stats.seconds

@@ -13,7 +13,16 @@ from template.training.distributed import NodeGroup
 from template.training.inner import InnerConfig, InnerTrainer
 from template.training.model import build_model
 from template.training.outer import OuterConfig, OuterOptimizer, load_into, move_start
-from template.training.round_state import Arrival, Landing, may_apply, train_in_chunks
+from template.training.round import RoundPlan
+from template.training.round_state import (
+    Arrival,
+    Landing,
+    Stats,
+    Trained,
+    matchmaking_window,
+    may_apply,
+    train_in_chunks,
+)
 
 SEQ_LEN, BATCH = 64, 4
 
@@ -71,3 +80,13 @@ def test_the_outer_step_is_taken_only_on_the_theta_the_groups_majority_holds() -
     assert not may_apply(result(weights={"a": 1.0, "b": 0.0}), "G", 2)[0]  # a trainer with a validator alone
     split = result(onto={"a": "G", "b": "G", "c": "H"}, weights={"a": 1.0, "b": 1.0, "c": 1.5})
     assert may_apply(split, "G", 2) == (True, "") and may_apply(split, "H", 2)[0] is False
+
+
+def test_free_running_overlapped_peers_gather_one_rounds_training_longer_than_the_others() -> None:
+    def trained(finish_by: float | None) -> Trained:
+        plan = RoundPlan(round=3, windows=(0,), max_steps=1, finish_by=finish_by)
+        return Trained(plan, "θ", None, Stats(steps=50, tokens=800, mean_loss=2.0, seconds=11.5), None, None, 0.0)
+
+    assert matchmaking_window(5.0, trained(None), overlapped=True) == 16.5  # may be a round's training behind
+    assert matchmaking_window(5.0, trained(None), overlapped=False) == 5.0  # the blocking all-reduce: a barrier
+    assert matchmaking_window(5.0, trained(1e10), overlapped=True) == 5.0  # chain-clocked: the same start
