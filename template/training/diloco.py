@@ -263,7 +263,7 @@ class DiLoCoPeer:
             return self._stale(plan, round_started)
         trained = self._train_round(plan, contribute)
         if not self.spec.overlap:
-            trained, handle = self._begin(trained, trained.base_hash)
+            trained, handle = self._begin(trained, trained.base_hash, after=None)
             result = None
             if handle is not None:
                 result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by),
@@ -306,7 +306,7 @@ class DiLoCoPeer:
         # round r's all-reduce starts once round r−1's outer step is taken: its group compares the θ that its
         # average will be applied to (a member that missed round r−1's step holds another and will not apply it)
         begun_at = time.time()
-        trained, handle = self._begin(trained, theta_hash)
+        trained, handle = self._begin(trained, theta_hash, after=result)
         pending = None if handle is None else self.averager.finish_in_background(
             handle, handle.deadline, lambda: passed_by(self.averager, plan.round, overlapped=True))
         self._in_flight = InFlight(trained, handle, pending, begun_at)
@@ -396,19 +396,20 @@ class DiLoCoPeer:
 
         return Arrival(ready, land)
 
-    def _begin(self, trained: Trained, onto: str) -> tuple[Trained, AveragingHandle | None]:
+    def _begin(self, trained: Trained, onto: str,
+               after: AveragingResult | None) -> tuple[Trained, AveragingHandle | None]:
         """Commit to the round's contribution and start matchmaking (leader). ``onto`` is the hash of the θ the
         average will be applied to, which θ is now (the round's base without overlap; overlapped, the round before's
         step taken). A plan that does not contribute (a validator's) keeps a copy of it in the returned ``Trained``:
-        the θ it scores the round against."""
+        the θ it scores the round against. ``after``: the round before's all-reduce (:func:`matchmaking_window`)."""
         if not trained.plan.contributes:
             trained = replace(trained, base=[t.clone() for t in self.outer.params()])
         if self.averager is None:
             return trained, None
         plan = trained.plan
-        scheduled = time.time() + matchmaking_window(self.averaging_config.matchmaking_time, trained, self.spec.overlap)
+        scheduled = time.time() + matchmaking_window(self.averaging_config, trained, self.spec.overlap, after)
         gather = dict(peer_key=self.peer_key, round=plan.round, base=trained.base_hash, onto=onto,
-                      fingerprint=self.fingerprint)
+                      fingerprint=self.fingerprint, trained_s=round(trained.stats.seconds, 3))
         return trained, self.averager.begin(trained.contribution, trained.stats.tokens, gather, scheduled,
                                             deadline=self._allreduce_deadline(scheduled, plan.finish_by),
                                             scope=self.scope, round=plan.round)

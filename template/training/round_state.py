@@ -6,19 +6,22 @@ trains."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from template.allreduce.averager import AveragingHandle, AveragingResult
+from template.allreduce.averager import AveragingConfig, AveragingHandle, AveragingResult
 from template.allreduce.contribution import EncodedContribution
 from template.training.distributed import NodeGroup
 from template.training.inner import Batch, InnerTrainer
 from template.training.round import Progress, RoundPlan, Tensors
 
 log = logging.getLogger(__name__)
+
+SLOWEST_GROUPMATE = 4.0  # how many times slower than this peer a groupmate's round may be and still be waited for
 
 
 @dataclass(frozen=True)
@@ -145,17 +148,26 @@ def may_apply(result: AveragingResult | None, current: str, min_contributors: in
     return True, ""
 
 
-def matchmaking_window(matchmaking_time: float, trained: Trained, overlapped: bool) -> float:
-    """How long a peer gathers ``trained``'s group, from when it begins looking.
+def matchmaking_window(config: AveragingConfig, trained: Trained, overlapped: bool,
+                       after: AveragingResult | None = None) -> float:
+    """How long a peer gathers ``trained``'s group, from when it begins looking; ``after`` is the round before's
+    all-reduce, whose members said how long they trained that round (``trained_s`` in their gathered data).
 
-    ``matchmaking_time`` is enough where something brings the peers to the same start: a chain clock (the plan's
+    ``config.matchmaking_time`` is enough where something brings the peers to the same start: a chain clock (the plan's
     ``finish_by``: every neuron starts looking at the same block) or a blocking all-reduce (a barrier every round).
     Free-running overlapped peers have no barrier but the wait, at the end of a round's training, for the round
     before's average, which needs every groupmate to have trained that round: so a groupmate can begin looking up to
-    one round's training later than this peer. Gathering for ``matchmaking_time`` alone lost 9–11 of 120 all-reduces
-    to that drift (docs/benchmarks.md §1a), so the window covers this round's training time more. It costs nothing
-    when the whole group is there: a group forms as soon as ``target_group_size`` members have joined; only a round
-    that misses a peer waits the longer window (in the background) before going on without it."""
+    one of *its* rounds' training later than this peer. The window covers the slowest such round seen, this peer's
+    own or a member's of the last group, on top of ``matchmaking_time``. Without it a peer 50 % slower than the others
+    (the bootstrap peer on two busy cores) fell out of every group from round 9 of 30 on; with ``matchmaking_time``
+    alone 9–11 of 120 all-reduces were lost to drift (docs/benchmarks.md §1a). The window costs nothing when the
+    whole group is there: a group forms as soon as ``target_group_size`` members have joined; only a round that
+    misses a peer waits the longer window (in the background) before going on without it. What a member says counts
+    up to :data:`SLOWEST_GROUPMATE` times this peer's own round: a peer that lies about it delays no round longer."""
     if not overlapped or trained.plan.finish_by is not None:
-        return matchmaking_time
-    return matchmaking_time + trained.stats.seconds
+        return config.matchmaking_time
+    own = trained.stats.seconds
+    said = [data.get("trained_s") for data in (after.group.values() if after is not None else ())
+            if isinstance(data, dict)]
+    slowest = max([own, *(s for s in said if isinstance(s, float) and math.isfinite(s))])
+    return config.matchmaking_time + min(slowest, SLOWEST_GROUPMATE * own)

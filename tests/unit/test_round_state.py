@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from template.allreduce.averager import AveragingResult
+from template.allreduce.averager import AveragingConfig, AveragingResult
 from template.training.data import ByteTokenizer, DataAssignment, build_corpus
 from template.training.distributed import NodeGroup
 from template.training.inner import InnerConfig, InnerTrainer
@@ -82,11 +82,21 @@ def test_the_outer_step_is_taken_only_on_the_theta_the_groups_majority_holds() -
     assert may_apply(split, "G", 2) == (True, "") and may_apply(split, "H", 2)[0] is False
 
 
-def test_free_running_overlapped_peers_gather_one_rounds_training_longer_than_the_others() -> None:
+def test_free_running_overlapped_peers_gather_the_slowest_groupmates_round_longer_than_the_others() -> None:
     def trained(finish_by: float | None) -> Trained:
         plan = RoundPlan(round=3, windows=(0,), max_steps=1, finish_by=finish_by)
-        return Trained(plan, "θ", None, Stats(steps=50, tokens=800, mean_loss=2.0, seconds=11.5), None, None, 0.0)
+        return Trained(plan, "θ", None, Stats(steps=50, tokens=800, mean_loss=2.0, seconds=10.0), None, None, 0.0)
 
-    assert matchmaking_window(5.0, trained(None), overlapped=True) == 16.5  # may be a round's training behind
-    assert matchmaking_window(5.0, trained(None), overlapped=False) == 5.0  # the blocking all-reduce: a barrier
-    assert matchmaking_window(5.0, trained(1e10), overlapped=True) == 5.0  # chain-clocked: the same start
+    def after(*trained_s) -> AveragingResult:
+        group = {f"p{i}": dict(peer_key=f"p{i}", trained_s=s) for i, s in enumerate(trained_s)}
+        return AveragingResult(True, None, group, len(group), 1.0, 0, "")
+
+    config = AveragingConfig(matchmaking_time=5.0)
+    free = trained(finish_by=None)
+    assert matchmaking_window(config, free, overlapped=True) == 15.0  # no group yet: its own round
+    assert matchmaking_window(config, free, overlapped=True, after=after(9.0, 14.5)) == 19.5  # the slowest member's
+    # what a member says counts up to 4 rounds of this peer's, and only as a finite float
+    assert matchmaking_window(config, free, overlapped=True, after=after(1e9, float("nan"), "60", None)) == 45.0
+    assert matchmaking_window(config, free, overlapped=False, after=after(14.5)) == 5.0  # blocking: a barrier
+    clocked = trained(finish_by=1e10)  # chain-clocked: every peer starts looking at the same block
+    assert matchmaking_window(config, clocked, overlapped=True, after=after(14.5)) == 5.0
