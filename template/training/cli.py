@@ -107,8 +107,8 @@ def add_averaging_args(parser: argparse.ArgumentParser, flag: Spelling = dashed)
     add("sparse_bits", type=int, default=sparse.bits,
         help="sparse codec: bits per kept value, 1 (the sign at the mean kept magnitude) to 8")
     add("matchmaking_time", type=float, default=AveragingConfig.matchmaking_time,
-        help="seconds a group leader waits for peers (peers without a chain clock that overlap: plus the round's "
-             "training time, since a groupmate may begin looking that much later)")
+        help="seconds a group leader waits for peers (peers without a chain clock that overlap: plus the slowest "
+             "groupmate's round of training, since it may begin looking that much later)")
     add("allreduce_timeout", type=float, default=AveragingConfig.allreduce_timeout,
         help="seconds the whole all-reduce may take once the group is formed")
     add("next_chunk_timeout", type=float, default=AveragingConfig.next_chunk_timeout,

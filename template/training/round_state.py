@@ -158,12 +158,12 @@ def matchmaking_window(config: AveragingConfig, trained: Trained, overlapped: bo
     Free-running overlapped peers have no barrier but the wait, at the end of a round's training, for the round
     before's average, which needs every groupmate to have trained that round: so a groupmate can begin looking up to
     one of *its* rounds' training later than this peer. The window covers the slowest such round seen, this peer's
-    own or a member's of the last group, on top of ``matchmaking_time``. Without it a peer 50 % slower than the others
-    (the bootstrap peer on two busy cores) fell out of every group from round 9 of 30 on; with ``matchmaking_time``
-    alone 9–11 of 120 all-reduces were lost to drift (docs/benchmarks.md §1a). The window costs nothing when the
-    whole group is there: a group forms as soon as ``target_group_size`` members have joined; only a round that
-    misses a peer waits the longer window (in the background) before going on without it. What a member says counts
-    up to :data:`SLOWEST_GROUPMATE` times this peer's own round: a peer that lies about it delays no round longer."""
+    own or a member's of the last group, on top of ``matchmaking_time``. With this peer's own round alone, a peer 50 %
+    slower than the others (the bootstrap peer on two busy cores) fell out of every group from round 9 of 30 on; with
+    ``matchmaking_time`` alone 9–11 of 120 all-reduces were lost to drift (docs/benchmarks.md §1a). It costs nothing
+    when the whole group is there: a group forms as soon as ``target_group_size`` members have joined; only a round
+    that misses a peer waits the longer window (in the background) before going on without it. What a member says counts
+    up to :data:`SLOWEST_GROUPMATE` times this peer's own round: a peer that says more delays a round no longer."""
     if not overlapped or trained.plan.finish_by is not None:
         return config.matchmaking_time
     own = trained.stats.seconds
