@@ -1,7 +1,7 @@
 """Smoke test of the benchmarks: each runs with ``--quick`` in its own subprocess and prints one sane JSON object.
 
 The benchmarks run in two lanes, the longest first, so at most two of them (and their peers) share the two cores
-of a CI machine: the whole set takes about 50 s on idle cores. All eight at once took 64–77 s there, and over 150 s
+of a CI machine: the whole set took 67 s here. All eight at once took 64–77 s, and over 150 s
 on a slow run, every process starving the others; each benchmark has its own bound, five to twenty-five times its
 time alone, so a slow machine only waits longer and a hung benchmark names itself. Every check is on the numbers
 they print: shapes, finiteness, and relations that must hold whatever the machine's speed (codec sizes, the analytic
