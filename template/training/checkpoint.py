@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,9 +157,12 @@ class BackgroundCheckpoints:
         self._pool = ThreadPoolExecutor(1, "checkpoint")
         self._writing: Future[Path] | None = None
 
-    def write(self, round: int, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
-        """:func:`save_checkpoint` in the background; ``tensors`` must be copies the caller no longer changes."""
+    def write(self, round: int, snapshot: Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]) -> None:
+        """:func:`save_checkpoint` of ``snapshot()`` — (tensors, metadata), copies the caller no longer changes — in
+        the background. The snapshot is taken once the checkpoint before is written: one checkpoint's copies in memory
+        at a time (GBs for the 1b preset)."""
         self.flush()
+        tensors, metadata = snapshot()
         self._writing = self._pool.submit(save_checkpoint, self.directory, round, tensors, metadata)
 
     def flush(self) -> None:

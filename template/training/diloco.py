@@ -558,17 +558,19 @@ class DiLoCoPeer:
             self._start = None
 
     def save(self) -> None:
-        """Checkpoint θ_r, the outer momentum, the inner AdamW state, the error feedback and the round (leader rank),
-        copied here and written in the background (:class:`BackgroundCheckpoints`)."""
+        """Checkpoint θ_r, outer momentum, inner AdamW state, error feedback and round (leader), in the background."""
         if self._checkpoints is None or not self.node.is_leader:
             return
-        self._checkpoints.flush()  # before copying: one checkpoint's copies in memory at a time (GBs for 1b)
-        outer_tensors = {f"outer.{k}": v for k, v in self.outer.state_dict().items()}  # copies already
-        inner_tensors, inner_skeleton = flatten_state("inner", self.inner.state_dict())
-        feedback = {"feedback.residual": self.residual} if self.residual.numel() else {}
-        changing = {name: t.detach().to("cpu", copy=True) for name, t in {**inner_tensors, **feedback}.items()}
-        metadata = dict(fingerprint=self.fingerprint, round=self.round, inner=inner_skeleton, peer_key=self.peer_key)
-        self._checkpoints.write(self.round, {**outer_tensors, **changing}, metadata)
+
+        def snapshot() -> tuple[dict[str, torch.Tensor], dict]:
+            outer_tensors = {f"outer.{k}": v for k, v in self.outer.state_dict().items()}  # copies already
+            inner_tensors, inner_skeleton = flatten_state("inner", self.inner.state_dict())
+            feedback = {"feedback.residual": self.residual} if self.residual.numel() else {}
+            changing = {name: t.detach().to("cpu", copy=True) for name, t in {**inner_tensors, **feedback}.items()}
+            return {**outer_tensors, **changing}, dict(fingerprint=self.fingerprint, round=self.round,
+                                                       inner=inner_skeleton, peer_key=self.peer_key)
+
+        self._checkpoints.write(self.round, snapshot)
 
     def flush_checkpoint(self) -> None:
         """Wait for the checkpoint being written (if any); raise its CheckpointError if the write failed."""
