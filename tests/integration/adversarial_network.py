@@ -34,7 +34,7 @@ class NetworkSettings:
     seconds_per_block: float
     blocks_per_round: int
     tempo: int
-    judged_rounds: int  # the validator's weights count once it has scored this many consecutive rounds
+    judged_rounds: int  # the validator's weights count once it has scored this many rounds, all but the first paid
     data: str  # --run.data of every neuron
     run_args: tuple[str, ...]  # the run's other flags, the same for every neuron
 
@@ -93,16 +93,31 @@ class AdversarialNetwork:
         return [e for e in events(self.tmp, "validator") if e["event"] == kind]
 
     def judged_weights(self, timeout: float) -> dict:
-        """The first successful weights event once the validator has scored ``judged_rounds`` rounds (counted from
-        the first round it scored); fails at once if a neuron exits."""
+        """The first successful weights event once the validator has scored ``judged_rounds`` rounds, all but one of
+        them paid; fails at once if a neuron exits.
+
+        Scored rounds are counted, not chain rounds: a validator that joins while the miners' first averages are in
+        flight may lose a round getting in step (it adopts a state ahead of the all-reduce it had begun), and a
+        count of chain rounds then judged on one scored round fewer (18 honest rows of 21 in a CI run)."""
         def judged() -> list[dict]:
             require_alive(self.processes, self.tmp)
-            scored = self.validator_events("scored")
-            first = scored[0]["round"] if scored else 10**9
-            return [e for e in self.validator_events("weights")
-                    if e["ok"] and e["round"] >= first + self.settings.judged_rounds - 1]
+            last = judged_round(self.validator_events("scored"), self.settings.judged_rounds)
+            if last is None:
+                return []
+            return [e for e in self.validator_events("weights") if e["ok"] and e["round"] >= last]
 
-        return wait_until(judged, timeout, f"weights after {self.settings.judged_rounds} rounds")[0]
+        return wait_until(judged, timeout, f"weights after {self.settings.judged_rounds} scored rounds")[0]
+
+
+def judged_round(scored: list[dict], rounds: int) -> int | None:
+    """The round of the ``scored`` event by which the validator has scored ``rounds`` rounds, ``rounds`` − 1 of them
+    paid (None: not yet)."""
+    paid = 0
+    for count, event in enumerate(scored, start=1):
+        paid += bool(event.get("paid"))
+        if count >= rounds and paid >= rounds - 1:
+            return event["round"]
+    return None
 
 
 def share(weights: dict[int, float], uids: dict[str, int], names) -> float:
