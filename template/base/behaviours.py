@@ -12,6 +12,7 @@ attacks or training strategies (``--miner.behaviour my_module:MyBehaviour``, a s
 | noise          | nothing                          | noise of the last Δ̄'s norm             | what it contributed    |
 | scaled         | its assigned windows             | its Δ × ``factor`` (10)                 | what it contributed    |
 | stale          | its assigned windows             | its Δ of ``lag`` (2) rounds ago         | what it contributed    |
+| replayer       | its first round only             | its first round's Δ, every round        | what it contributed    |
 | overfitter     | one fixed batch, over and over   | its Δ                                  | what it contributed    |
 | copycat        | nothing                          | the last Δ̄ it received, + small noise  | what it contributed    |
 | noisy-average  | 1 inner step (claims its tokens) | the last Δ̄ it received + ``rel`` noise  | what it contributed    |
@@ -177,6 +178,25 @@ class Stale(MinerBehaviour):
     def contribution(self, round: int, delta: Tensors) -> Tensors:
         self._history.append([t.clone() for t in delta])
         return self._history[0]
+
+
+class Replayer(MinerBehaviour):
+    """Trains its first round, then re-sends that Δ every round without training: the lazy replay that a validator
+    holding the sketch of any round it scored names as such. (:class:`Stale` replays Δs it never showed, which no
+    sketch can match: the validator refuses those because its own model θ_r − Δ is worse than θ_r.)"""
+
+    name = "replayer"
+
+    def __init__(self) -> None:
+        self._first: Tensors | None = None
+
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        return plan if self._first is None else _trains_nothing(plan)
+
+    def contribution(self, round: int, delta: Tensors) -> Tensors:
+        if self._first is None:
+            self._first = [t.clone() for t in delta]
+        return self._first
 
 
 class Overfitter(MinerBehaviour):
@@ -348,9 +368,9 @@ class Concentrated(MinerBehaviour):
         return edited
 
 
-BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Overfitter, Copycat, NoisyAverage,
-                                      StaleAverage, Partial, TwoFaced, TwoFacedZero, Equivocator, LiarReducer,
-                                      SplitLiarReducer, Framer, SkipsOne, Concentrated)}
+BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Replayer, Overfitter, Copycat,
+                                      NoisyAverage, StaleAverage, Partial, TwoFaced, TwoFacedZero, Equivocator,
+                                      LiarReducer, SplitLiarReducer, Framer, SkipsOne, Concentrated)}
 # the built-ins that take options, and which (``--miner.rel``, ``--miner.fraction``, ``--miner.values``, ...)
 OPTIONS = {NoisyAverage: ("rel",), StaleAverage: ("rel",), Partial: ("fraction",), Concentrated: ("values", "share")}
 

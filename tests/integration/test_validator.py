@@ -1,11 +1,12 @@
-"""The validator against cheating miners, on one small network: mock chain, 1 validator, 9 miner processes.
+"""The validator against cheating miners, on one small network: mock chain, 1 validator, 10 miner processes.
 
 Two honest miners (each on its own assigned data) share the network with one miner per attack: free-rider (zero Δ),
-noise (random Δ of honest norm), copycat (another miner's Δ plus small noise), stale (its Δ of two rounds ago),
-scaled (honest Δ × 10), overfitter (one fixed batch over and over), and the two-faced miner of DESIGN.md §9, which
-trains honestly and publishes its Δ but contributes −Δ to the all-reduce (``twofaced-zero``, which contributes ~0
-instead, is refused by the same check: tests/faults/test_publication_attacks.py). The attacks inside the all-reduce
-protocol run in tests/integration/test_accountable_averaging.py, with a two-faced miner beside them too.
+noise (random Δ of honest norm), copycat (another miner's Δ plus small noise), stale (its Δ of two rounds ago), replayer
+(its first round's Δ, every round), scaled (honest Δ × 10), overfitter (one fixed batch over and over), and the
+two-faced miner of DESIGN.md §9, which trains honestly and publishes its Δ but contributes −Δ to the all-reduce
+(``twofaced-zero``, which contributes ~0 instead, is refused by the same check:
+tests/faults/test_publication_attacks.py). The attacks inside the all-reduce protocol run in
+tests/integration/test_accountable_averaging.py, with a two-faced miner beside them too.
 The exact copy and the copy of the group's Δ̄ are caught by the same checks; tests/unit/test_validation.py covers
 them without the cost of more processes.
 The data is real English prose that every Python carries (the ``stdlib`` source: pydoc topics and docstrings).
@@ -36,13 +37,13 @@ SECONDS_PER_BLOCK = 0.5
 # blocking rounds let it (until matchmaking + grace before the end)
 BLOCKS_PER_ROUND = 30
 TEMPO = 20
-NETWORK_ROUNDS = 6  # judged once the validator has scored 6 consecutive chain rounds' worth (5 paid)
+NETWORK_ROUNDS = 6  # judged once the validator has scored 6 rounds, 5 of them paid
 DATA = "stdlib"  # real English prose from the standard library: the memorization signal needs natural text
 COPY = "tests.integration.copy_behaviours:"
 HONEST = {"honest-a": COPY + "LeakyHonest", "honest-b": "honest"}
 CHEATERS = {
     "freerider": "freerider", "noise": "noise", "copycat": COPY + "CopyLeakedNoisy", "stale": "stale",
-    "scaled": "scaled", "overfitter": "overfitter", "twofaced": "twofaced",
+    "replayer": "replayer", "scaled": "scaled", "overfitter": "overfitter", "twofaced": "twofaced",
 }
 # Warm-up over one round (20 steps) instead of the default 50: the judging window is 5 rounds, and while the learning
 # rate is still ramping up a tiny model memorizes nothing, so the copy test could not tell an original from its copy.
@@ -116,8 +117,13 @@ def test_the_reason_each_cheater_was_refused_is_reported(network):
     # scaled (Δ × 10): the owners clip its norm to 3 × the median, which leaves its values ~3 × honest ones, so its
     # largest usually passes the owners' value bound as well: convicted from its own signed bytes, or else refused
     # for its norm by the validator's own check; either names what it did
+    # stale: a Δ of two rounds ago that it published before is a replay, one it never showed (it always sends the older
+    # one) is not; its own model θ_r − Δ from an older θ is worse than θ_r. The replay it makes of its first Δ in its
+    # first rounds is named only when the validator scored one of them in step, which a validator that joined a round
+    # late missed in the final run of 2026-12-06: the replayer sends that first Δ every round, a replay every time
     expected = {"freerider": ("empty update",), "scaled": ("norm", "beyond the owner's bound"),
-                "stale": ("replays",), "copycat": ("copy of",), "twofaced": ("other bytes than it contributed",)}
+                "stale": ("replays", "its own model θ_r − Δ is worse"), "replayer": ("replays",),
+                "copycat": ("copy of",), "twofaced": ("other bytes than it contributed",)}
     for name, fragments in expected.items():
         assert any(f in reason for reason in reasons[name] for f in fragments), (name, reasons[name])
     last = {uid_names[row["uid"]]: row for row in network["scored"][-1]["miners"]}

@@ -20,6 +20,7 @@ from template.base.behaviours import (
     NoisyAverage,
     Overfitter,
     Partial,
+    Replayer,
     Scaled,
     SkipsOne,
     SplitLiarReducer,
@@ -81,6 +82,16 @@ def test_stale_replays_the_delta_of_two_rounds_ago():
     contributed = [stale.contribution(r, deltas(r)) for r in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(contributed[3], deltas(1), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(contributed[0], deltas(0), strict=True))  # honest until it has one
+
+
+def test_replayer_trains_its_first_round_then_resends_that_delta_without_training():
+    replayer = Replayer()
+    assert replayer.plan(plain_plan(0)).max_steps == 5
+    first = replayer.contribution(0, deltas(0))
+    assert replayer.plan(plain_plan(1)).max_steps == 0
+    for round in (1, 2, 3):
+        sent = replayer.contribution(round, deltas(round))
+        assert all(torch.equal(a, b) for a, b in zip(sent, deltas(0), strict=True)) and sent is first
 
 
 def test_overfitter_trains_one_fixed_batch_every_step_of_every_round():
@@ -186,9 +197,9 @@ class Custom(MinerBehaviour):
 
 
 def test_behaviours_load_by_name_or_module_class_and_refuse_anything_else():
-    assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "overfitter", "copycat", "noisy-average",
-                            "stale-average", "partial", "twofaced", "twofaced-zero", "equivocator", "liar-reducer",
-                            "liar-reducer-some", "framer", "skips-one", "concentrated"}
+    assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "replayer", "overfitter", "copycat",
+                            "noisy-average", "stale-average", "partial", "twofaced", "twofaced-zero", "equivocator",
+                            "liar-reducer", "liar-reducer-some", "framer", "skips-one", "concentrated"}
     # the behaviours that do honest work say so (the local network's report judges the model by them)
     assert {name for name, cls in BUILTIN.items() if cls.honest} == {"honest", "skips-one"}
     assert load_behaviour(f"{__name__}:Custom").honest is False  # a plug-in is honest when it says so
