@@ -88,6 +88,7 @@ __all__ = ["AveragingConfig", "AveragingHandle", "AveragingResult", "PseudoGradi
 
 logger = logging.getLogger(__name__)
 
+GROUP_POLL_S = 0.02  # how often a pacing peer looks whether its group has formed (a read of shared memory)
 LEFT_BEHIND_POLL_S = 1.0  # how often a peer late for its group asks whether it was left behind (a DHT read)
 
 
@@ -175,6 +176,7 @@ class AveragingHandle:
     gather: Any  # what goes to the group: weight, terms, commitment and the caller's data
     deadline: float
     commitment: Commitment | None
+    scheduled: float  # time.time() by which the group forms with whoever has joined (it forms earlier when full)
     cancelled: bool = False  # given up by PseudoGradientAverager.cancel: never retried
 
 
@@ -301,7 +303,7 @@ class PseudoGradientAverager:
         blob = dict(weight=weight, data=gather, terms=terms,
                     commitment=None if commitment is None else commitment.to_wire())
         control = self._step(weight, blob, scheduled_time, deadline, require_trigger=True)
-        return AveragingHandle(control, weight, blob, deadline, commitment)
+        return AveragingHandle(control, weight, blob, deadline, commitment, scheduled_time)
 
     def _step(self, weight: float, blob: Any, scheduled_time: float, deadline: float, require_trigger: bool):
         # a DHT that dropped its groupmates from its routing table would look for the group alone (see the function)
@@ -420,6 +422,16 @@ class PseudoGradientAverager:
         ``deadline`` at the latest; one all-reduce at a time."""
         self._check_open()
         return self._background.submit(self.finish, handle, deadline, left_behind)
+
+    def wait_for_group(self, handle: AveragingHandle, until: float) -> bool:
+        """Wait until ``handle``'s group has formed (or its step has ended), at most until ``until`` (time.time());
+        True when it no longer looks for a group. A free-running overlapped peer paces itself with it: the round it
+        trains meanwhile then starts together with its groupmates', and the average lands early in it."""
+        while handle.control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+            if handle.cancelled or time.time() >= until:
+                return False
+            time.sleep(GROUP_POLL_S)
+        return True
 
     def cancel(self, handle: AveragingHandle) -> None:
         """Give up ``handle``'s step: its :meth:`finish` fails soon and is not retried (its result is not wanted)."""

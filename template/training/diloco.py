@@ -318,6 +318,11 @@ class DiLoCoPeer:
         else:
             outcome = self._land(landing.trained, landing.handle, result, applied, plan.round + 1, landing=landing,
                                  stand_in=own, theta_hash=theta_hash if leader else None)
+        if handle is not None and plan.finish_by is None:
+            # free-running (no chain clock): train the next round once this round's group has formed, so that the
+            # average lands early in it instead of after it (§1a of docs/benchmarks.md); waiting past the window less
+            # a round of this peer's would only move its wait for the landing to the start of the round
+            self.averager.wait_for_group(handle, until=handle.scheduled - trained.stats.seconds)
         self._in_flight.round_s = time.monotonic() - round_started
         return outcome
 

@@ -476,6 +476,29 @@ def test_a_group_that_a_follower_left_before_the_leaders_word_is_formed_again_wi
 
 
 @pytest.mark.timeout(90)
+def test_a_pacing_peer_waits_for_its_group_to_form_and_no_longer_than_it_said(dhts):
+    """A free-running overlapped peer trains its next round once its round's group has formed
+    (``wait_for_group``): alone it waits only until the time it gives; once its groupmate has joined, the full group
+    forms long before the scheduled time and the wait ends with it."""
+    config = fast_config(target_group_size=2, min_group_size=2)
+    with averagers(dhts[:2], [config] * 2) as peers:
+        scheduled, deadline = time.time() + 15, time.time() + 40
+        first = peers[0].begin(random_deltas(0), WEIGHTS[0], {"rank": 0}, scheduled, deadline)
+        results = [peers[0].finish_in_background(first, deadline)]
+        started = time.monotonic()
+        assert not peers[0].wait_for_group(first, until=time.time() + 1.0)
+        alone = time.monotonic() - started
+        second = peers[1].begin(random_deltas(1), WEIGHTS[1], {"rank": 1}, scheduled, deadline)
+        results.append(peers[1].finish_in_background(second, deadline))
+        assert peers[0].wait_for_group(first, until=scheduled)
+        formed_at = time.time()
+        outcomes = [future.result(timeout=45) for future in results]
+    assert 1.0 <= alone < 2.0, alone
+    assert formed_at < scheduled - 5, scheduled - formed_at  # the full group formed ≥ 5 s before the scheduled time
+    assert all(r.ok and r.group_size == 2 for r in outcomes), [r.reason for r in outcomes]
+
+
+@pytest.mark.timeout(90)
 def test_a_peer_left_alone_in_its_rounds_matchmaking_gives_up_once_the_others_look_for_the_next_rounds_group(dhts):
     """hivemind's leader can count in a follower that never got its word (the leader was killed right after forming
     the group; or the word came late): the others end the round without that peer, which went on looking for the
