@@ -16,7 +16,8 @@ per direction (:mod:`template.p2p.simulated_link`, a loopback test knob): ``allr
 much of a round's compute the all-reduce takes on that link, and ``wall_utilization`` what the blocking engine
 keeps of the compute. ``--overlap both`` runs the tiny peers twice in the same run, blocking and then overlapped (round
 r's all-reduce runs while round r+1 trains: ``wall_utilization`` should approach 1; ``allreduce_s`` is then the
-all-reduce's own duration, most of it hidden behind training, and ``allreduce_wait_s`` what training still waited).
+all-reduce's own duration, most of it hidden behind training, ``allreduce_wait_s`` what training still waited for it
+and ``paced_s`` how long a peer waited after a round's training for that round's group to form).
 
 The baseline measured in the same run is the step time itself: ``t_step`` as the peers saw it (N peers share
 the cores, so it is slower than alone), and ``t_step_solo`` of one process training alone with the same torch
@@ -138,7 +139,7 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
         if not reports:
             continue
         rows = [dict(overhead_s=rep["round_s"] - rep["inner_s"], allreduce_s=rep["allreduce_s"],
-                     allreduce_wait_s=rep["allreduce_wait_s"],
+                     allreduce_wait_s=rep["allreduce_wait_s"], paced_s=rep["paced_s"],
                      wall_utilization=rep["inner_s"] / rep["round_s"], inner_s=rep["inner_s"],
                      t_step_s=rep["inner_s"] / rep["inner_steps"], ok=rep["allreduce_ok"], reason=rep["reason"])
                 for rep in reports]
@@ -160,7 +161,9 @@ def measure(config: Config, data: str, timeout_s: float, solo_steps: int) -> dic
         samples=len(samples), t_step_s=t_step, overhead_s=overhead,
         overhead_s_max=max(row["overhead_s"] for row in samples), allreduce_s=allreduce,
         allreduce_wait_s=median([row["allreduce_wait_s"] for row in samples]),
-        outer_step_and_bookkeeping_s=median([row["overhead_s"] - row["allreduce_wait_s"] for row in samples]),
+        paced_s=median([row["paced_s"] for row in samples]),
+        outer_step_and_bookkeeping_s=median([row["overhead_s"] - row["allreduce_wait_s"] - row["paced_s"]
+                                             for row in samples]),
         overhead_steps=overhead / t_step, overhead_steps_vs_solo=overhead / t_solo,
         utilization=utilization(t_step, overhead), utilization_vs_solo=utilization(t_solo, overhead),
         inner_s=inner, allreduce_over_compute=allreduce / inner,

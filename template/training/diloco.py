@@ -318,11 +318,15 @@ class DiLoCoPeer:
         else:
             outcome = self._land(landing.trained, landing.handle, result, applied, plan.round + 1, landing=landing,
                                  stand_in=own, theta_hash=theta_hash if leader else None)
-        if handle is not None and plan.finish_by is None:
-            # free-running (no chain clock): train the next round once this round's group has formed, so that the
-            # average lands early in it instead of after it (§1a of docs/benchmarks.md); waiting past the window less
-            # a round of this peer's would only move its wait for the landing to the start of the round
+        if handle is not None and plan.finish_by is None and landing is not None and early is None:
+            # free-running (no chain clock) and round r−1's average landed only after round r's training, so the peer
+            # stood still for it: it now waits at the start of the next round instead, until round r's group has
+            # formed, and round r's average lands early in round r+1 instead of after it (docs/benchmarks.md §1a).
+            # A peer whose averages land while it trains never waits (the wait would cost it compute); waiting past
+            # the window less one of its own rounds would only move its wait for the landing
+            paced = time.monotonic()
             self.averager.wait_for_group(handle, until=handle.scheduled - trained.stats.seconds)
+            self._in_flight.paced_s = time.monotonic() - paced
         self._in_flight.round_s = time.monotonic() - round_started
         return outcome
 
@@ -449,6 +453,7 @@ class DiLoCoPeer:
             theta_hash=theta_hash if theta_hash is not None else self.outer.theta_hash(), allreduce_wait_s=wait_s,
             segments_refuted=len(result.evidence.refuted()) if result else 0,
             landed_after_steps=landing.landed_at_step if landing is not None else None,
+            paced_s=landing.paced_s if landing is not None else 0.0,
         )
         return RoundOutcome(report, trained.base, trained.delta, averaged, result, trained.contribution,
                             handle.commitment if handle is not None else None)

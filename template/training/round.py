@@ -70,6 +70,8 @@ class RoundReport:
     segments_refuted: int = 0  # averaged segments that missed their owner's claims: no step there, on every member
     landed_after_steps: int | None = None  # overlap: the next round's inner steps trained before this round's average
     # landed (when its step was taken, they train on from the corrected θ); None: after their training, or blocking
+    paced_s: float = 0.0  # overlap, free-running: how long the peer waited after this round's training for its group
+    # to form before it trained the next round
 
 
 @dataclass(frozen=True)

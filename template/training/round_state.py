@@ -113,6 +113,7 @@ class InFlight:
     begun_at: float  # time.time() when its all-reduce was handed over
     round_s: float = 0.0  # wall time of the call that trained it (set when that call returns)
     waited_s: float = 0.0  # how long the peer stood still for the result
+    paced_s: float = 0.0  # how long the peer waited after training it for its group to form (free-running only)
     landed_at_step: int | None = None  # the next round's inner steps trained before it landed (None: after them)
 
     def result(self) -> AveragingResult | None:
