@@ -196,7 +196,7 @@ class Replayer(MinerBehaviour):
     def contribution(self, round: int, delta: Tensors) -> Tensors:
         if self._first is None:
             self._first = [t.clone() for t in delta]
-        return self._first
+        return [t.clone() for t in self._first]
 
 
 class Overfitter(MinerBehaviour):

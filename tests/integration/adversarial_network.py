@@ -96,9 +96,10 @@ class AdversarialNetwork:
         """The first successful weights event once the validator has scored ``judged_rounds`` rounds, all but one of
         them paid; fails at once if a neuron exits.
 
-        Scored rounds are counted, not chain rounds: a validator that joins while the miners' first averages are in
-        flight may lose a round getting in step (it adopts a state ahead of the all-reduce it had begun), and a
-        count of chain rounds then judged on one scored round fewer (18 honest rows of 21 in a CI run)."""
+        Scored rounds are counted, not chain rounds: a validator that misses one round's group under load (hivemind's
+        leader counted it in, it still looked for the group at its deadline) is out of step, adopts a peer's state
+        ahead of the round it has in flight and never scores that one; a count of chain rounds then judged on one
+        scored round fewer (18 honest rows of 21 in the CI run of 2026-12-06)."""
         def judged() -> list[dict]:
             require_alive(self.processes, self.tmp)
             last = judged_round(self.validator_events("scored"), self.settings.judged_rounds)

@@ -493,7 +493,7 @@ def test_a_pacing_peer_waits_for_its_group_to_form_and_no_longer_than_it_said(dh
         assert peers[0].wait_for_group(first, until=scheduled)
         formed_at = time.time()
         outcomes = [future.result(timeout=45) for future in results]
-    assert 1.0 <= alone < 2.0, alone
+    assert 1.0 <= alone < 3.0, alone
     assert formed_at < scheduled - 5, scheduled - formed_at  # the full group formed ≥ 5 s before the scheduled time
     assert all(r.ok and r.group_size == 2 for r in outcomes), [r.reason for r in outcomes]
 

@@ -87,11 +87,12 @@ def test_stale_replays_the_delta_of_two_rounds_ago():
 def test_replayer_trains_its_first_round_then_resends_that_delta_without_training():
     replayer = Replayer()
     assert replayer.plan(plain_plan(0)).max_steps == 5
-    first = replayer.contribution(0, deltas(0))
+    replayer.contribution(0, deltas(0))
     assert replayer.plan(plain_plan(1)).max_steps == 0
     for round in (1, 2, 3):
         sent = replayer.contribution(round, deltas(round))
-        assert all(torch.equal(a, b) for a, b in zip(sent, deltas(0), strict=True)) and sent is first
+        assert all(torch.equal(a, b) for a, b in zip(sent, deltas(0), strict=True))
+        sent[0].add_(1.0)  # what the engine does with a contribution never reaches the next one
 
 
 def test_overfitter_trains_one_fixed_batch_every_step_of_every_round():
