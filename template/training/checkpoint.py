@@ -107,6 +107,34 @@ def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # --------------------------------------------------------------------------------------------------- saving
 
 
+def peer_snapshot(outer: dict[str, torch.Tensor], inner: Any, residual: torch.Tensor,
+                  metadata: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A DiLoCo peer's checkpoint as (tensors, metadata): its outer optimizer's state (θ and momentum: copies
+    already), its inner optimizer's state and its error feedback (none when the codec keeps none), both copied to
+    the CPU as they change with training; ``metadata`` gains the inner state's skeleton."""
+    inner_tensors, inner_skeleton = flatten_state("inner", inner)
+    feedback = {"feedback.residual": residual} if residual.numel() else {}
+    changing = {name: t.detach().to("cpu", copy=True) for name, t in {**inner_tensors, **feedback}.items()}
+    return {**{f"outer.{k}": v for k, v in outer.items()}, **changing}, dict(metadata, inner=inner_skeleton)
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """What :func:`peer_snapshot` wrote, read back."""
+
+    outer: dict[str, torch.Tensor]
+    inner: Any
+    round: int
+    residual: torch.Tensor | None  # float32; None when the checkpoint holds no error feedback
+
+
+def peer_state(tensors: dict[str, torch.Tensor], metadata: dict) -> PeerState:
+    residual = tensors.get("feedback.residual")
+    return PeerState({k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")},
+                     unflatten_state(metadata["inner"], tensors), int(metadata["round"]),
+                     None if residual is None else residual.to(torch.float32).clone())
+
+
 def save_checkpoint(
     directory: str | Path, round: int, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *, keep: int = 3
 ) -> Path:

@@ -74,9 +74,9 @@ from template.allreduce.terms import AllReduceFaults
 from template.training.checkpoint import (
     BackgroundCheckpoints,
     CheckpointError,
-    flatten_state,
     load_latest_checkpoint,
-    unflatten_state,
+    peer_snapshot,
+    peer_state,
 )
 from template.training.data import DataAssignment, TokenCorpus
 from template.training.distributed import NodeGroup
@@ -96,8 +96,10 @@ from template.training.round_state import (
     InFlight,
     Landing,
     Trained,
+    allreduce_deadline,
     matchmaking_window,
     may_apply,
+    pace,
     train_in_chunks,
 )
 from template.training.spec import RunMismatchError, RunSpec, fingerprint_of
@@ -266,7 +268,8 @@ class DiLoCoPeer:
             trained, handle = self._begin(trained, trained.base_hash, after=None)
             result = None
             if handle is not None:
-                result = self.averager.finish(handle, self._allreduce_deadline(time.time(), plan.finish_by),
+                deadline = allreduce_deadline(self.averaging_config, time.time(), plan.finish_by)
+                result = self.averager.finish(handle, deadline,
                                               left_behind=lambda: passed_by(self.averager, plan.round))
             waited_s = time.monotonic() - trained.trained_at
             applied = self._apply(result, trained.base_hash)
@@ -319,14 +322,7 @@ class DiLoCoPeer:
             outcome = self._land(landing.trained, landing.handle, result, applied, plan.round + 1, landing=landing,
                                  stand_in=own, theta_hash=theta_hash if leader else None)
         if handle is not None and plan.finish_by is None and landing is not None and early is None:
-            # free-running (no chain clock) and round r−1's average landed only after round r's training, so the peer
-            # stood still for it: it now waits at the start of the next round instead, until round r's group has
-            # formed, and round r's average lands early in round r+1 instead of after it (docs/benchmarks.md §1a).
-            # A peer whose averages land while it trains never waits (the wait would cost it compute); waiting past
-            # the window less one of its own rounds would only move its wait for the landing
-            paced = time.monotonic()
-            self.averager.wait_for_group(handle, until=handle.scheduled - trained.stats.seconds)
-            self._in_flight.paced_s = time.monotonic() - paced
+            self._in_flight.paced_s = pace(self.averager, handle, trained)  # free-running, after a late landing
         self._in_flight.round_s = time.monotonic() - round_started
         return outcome
 
@@ -419,9 +415,9 @@ class DiLoCoPeer:
         scheduled = time.time() + matchmaking_window(self.averaging_config, trained, self.spec.overlap, after)
         gather = dict(peer_key=self.peer_key, round=plan.round, base=trained.base_hash, onto=onto,
                       fingerprint=self.fingerprint, trained_s=round(trained.stats.seconds, 3))
+        deadline = allreduce_deadline(self.averaging_config, scheduled, plan.finish_by)
         return trained, self.averager.begin(trained.contribution, trained.stats.tokens, gather, scheduled,
-                                            deadline=self._allreduce_deadline(scheduled, plan.finish_by),
-                                            scope=self.scope, round=plan.round)
+                                            deadline=deadline, scope=self.scope, round=plan.round)
 
     def _land(self, trained: Trained, handle: AveragingHandle | None, result: AveragingResult | None,
               applied: tuple[bool, str], next_round: int, round_started: float = 0.0, waited_s: float = 0.0,
@@ -546,10 +542,6 @@ class DiLoCoPeer:
         for input_ids, labels in self.corpus.batches(windows, self.spec.batch_size):
             yield self.node.split(input_ids), self.node.split(labels)
 
-    def _allreduce_deadline(self, start: float, finish_by: float | None) -> float:
-        budget = start + self.averaging_config.matchmaking_time + self.averaging_config.allreduce_timeout
-        return budget if finish_by is None else max(min(budget, finish_by), start + 1.0)
-
     def assigned_windows(self, round: int) -> list[int]:
         """The windows this peer must train on in ``round`` (what validators recompute)."""
         return self.assignment.assigned_windows(self.peer_key, round, self.spec.inner_steps * self.spec.batch_size)
@@ -572,15 +564,9 @@ class DiLoCoPeer:
         if self._checkpoints is None or not self.node.is_leader:
             return
 
-        def snapshot() -> tuple[dict[str, torch.Tensor], dict]:
-            outer_tensors = {f"outer.{k}": v for k, v in self.outer.state_dict().items()}  # copies already
-            inner_tensors, inner_skeleton = flatten_state("inner", self.inner.state_dict())
-            feedback = {"feedback.residual": self.residual} if self.residual.numel() else {}
-            changing = {name: t.detach().to("cpu", copy=True) for name, t in {**inner_tensors, **feedback}.items()}
-            return {**outer_tensors, **changing}, dict(fingerprint=self.fingerprint, round=self.round,
-                                                       inner=inner_skeleton, peer_key=self.peer_key)
-
-        self._checkpoints.write(self.round, snapshot)
+        self._checkpoints.write(self.round, lambda: peer_snapshot(
+            self.outer.state_dict(), self.inner.state_dict(), self.residual,
+            dict(fingerprint=self.fingerprint, round=self.round, peer_key=self.peer_key)))
 
     def flush_checkpoint(self) -> None:
         """Wait for the checkpoint being written (if any); raise its CheckpointError if the write failed."""
@@ -588,13 +574,13 @@ class DiLoCoPeer:
             self._checkpoints.flush()
 
     def _load_checkpoint(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
+        state = peer_state(tensors, metadata)
         with self.state.changing():
-            self.outer.load_state_dict({k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")})
-            self.inner.load_state_dict(unflatten_state(metadata["inner"], tensors))
-            self.state.round = int(metadata["round"])
-        residual = tensors.get("feedback.residual")
-        if residual is not None and residual.shape == self.residual.shape:
-            self.residual = residual.to(torch.float32).clone()
+            self.outer.load_state_dict(state.outer)
+            self.inner.load_state_dict(state.inner)
+            self.state.round = state.round
+        if state.residual is not None and state.residual.shape == self.residual.shape:
+            self.residual = state.residual
 
     def shutdown(self) -> None:
         """Stop the averager, giving up an all-reduce in flight; the checkpoint being written is finished first (a

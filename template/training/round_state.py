@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from template.allreduce.averager import AveragingConfig, AveragingHandle, AveragingResult
+from template.allreduce.averager import AveragingConfig, AveragingHandle, AveragingResult, PseudoGradientAverager
 from template.allreduce.contribution import EncodedContribution
 from template.training.distributed import NodeGroup
 from template.training.inner import Batch, InnerTrainer
@@ -172,3 +172,21 @@ def matchmaking_window(config: AveragingConfig, trained: Trained, overlapped: bo
             if isinstance(data, dict)]
     slowest = max([own, *(s for s in said if isinstance(s, float) and math.isfinite(s))])
     return config.matchmaking_time + min(slowest, SLOWEST_GROUPMATE * own)
+
+
+def allreduce_deadline(config: AveragingConfig, start: float, finish_by: float | None) -> float:
+    """When a round's all-reduce that begins looking for its group at ``start`` must be over: its matchmaking and
+    all-reduce time, within the plan's ``finish_by`` when a chain clock set one (and at least a second)."""
+    budget = start + config.matchmaking_time + config.allreduce_timeout
+    return budget if finish_by is None else max(min(budget, finish_by), start + 1.0)
+
+
+def pace(averager: PseudoGradientAverager, handle: AveragingHandle, trained: Trained) -> float:
+    """A free-running overlapped peer whose round r−1 average landed only after round r's training (``trained``)
+    stood still for it: it waits now instead, at the start of the next round, until round r's group has formed, so
+    that round r's average lands early in round r+1 instead of after it (docs/benchmarks.md §1a, design change 25).
+    Only then: a peer whose averages land while it trains never waits (the wait would cost it compute); waiting past
+    the window less one of its own rounds would only move its wait for the landing. Returns the seconds waited."""
+    started = time.monotonic()
+    averager.wait_for_group(handle, until=handle.scheduled - trained.stats.seconds)
+    return time.monotonic() - started
