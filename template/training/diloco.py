@@ -563,7 +563,6 @@ class DiLoCoPeer:
         """Checkpoint θ_r, outer momentum, inner AdamW state, error feedback and round (leader), in the background."""
         if self._checkpoints is None or not self.node.is_leader:
             return
-
         self._checkpoints.write(self.round, lambda: peer_snapshot(
             self.outer.state_dict(), self.inner.state_dict(), self.residual,
             dict(fingerprint=self.fingerprint, round=self.round, peer_key=self.peer_key)))
