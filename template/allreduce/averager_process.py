@@ -197,6 +197,7 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
         # all-reduces run one at a time, under the averaged tensors' lock, and a runner writes it only while it runs
         self._runner_output: torch.Tensor | None = None
         self._begun_late = False  # AllReduceFaults.begin_late_s: this process sent its late "begin"
+        self._join_requests_taken = 0  # AllReduceFaults.answer_late_s stalls on the second
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self) -> None:
@@ -208,16 +209,22 @@ class CheckedAverager(OwnAllReduceHooks, DecentralizedAverager):
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """hivemind's matchmaking, for peers within their allowance; others are told we are not available."""
+        """hivemind's matchmaking, for peers within their allowance; others are told we are not available. A request
+        that waited here longer than its sender waits for our answer is refused (``join_request``)."""
         if not self._join_limiter.allow(str(context.remote_id)):
             logger.info("refused a join request from %s: over its per-minute allowance", context.remote_id)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
-        async for response in super().rpc_join_group(request, context):
-            if response.code == averaging_pb2.BEGIN_ALLREDUCE and self._faults.begin_late_s and not self._begun_late:
-                self._begun_late = True  # AllReduceFaults: a leader whose event loop lagged
-                await asyncio.sleep(self._faults.begin_late_s)
-            yield response
+        with self.join_request(context.remote_id):
+            self._join_requests_taken += 1
+            if self._faults.answer_late_s and self._join_requests_taken == 2:
+                time.sleep(self._faults.answer_late_s)  # AllReduceFaults: a leader whose process lagged (loop blocked)
+            async for response in super().rpc_join_group(request, context):
+                begins = response.code == averaging_pb2.BEGIN_ALLREDUCE
+                if begins and self._faults.begin_late_s and not self._begun_late:
+                    self._begun_late = True  # AllReduceFaults: a leader whose event loop lagged
+                    await asyncio.sleep(self._faults.begin_late_s)
+                yield response
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext

@@ -85,7 +85,9 @@ class AllReduceFaults:
     our streams to the other owners this many seconds late (a process that stalled right after its group formed).
     ``begin_late_s``: as a leader, send the first "begin" of this process this many seconds late (a leader whose
     event loop lagged: a follower whose wait for the word ran out has left, yet the leader counts it in; one
-    follower, once).
+    follower, once). ``answer_late_s``: as a leader, stall this process (its event loop blocked) for this many seconds
+    when its second join request comes, before answering it (a leader that lagged past the follower's wait for its
+    answer, on the request that fills its group of 3: the follower has left, and must not be counted in). Once.
     """
 
     corrupt_segments: bool = False
@@ -95,12 +97,13 @@ class AllReduceFaults:
     relays: bool = True
     start_late_s: float = 0.0
     begin_late_s: float = 0.0
+    answer_late_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lie not in (None, "all", "some", "forged"):
             raise ValueError("lie must be None, 'all', 'some' or 'forged'")
-        if self.start_late_s < 0 or self.begin_late_s < 0:
-            raise ValueError("start_late_s and begin_late_s must be >= 0")
+        if min(self.start_late_s, self.begin_late_s, self.answer_late_s) < 0:
+            raise ValueError("start_late_s, begin_late_s and answer_late_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ The private members, and where they are used:
   ``rpc_aggregate_part`` calls to it), ``._pending_groups_registered`` (set when a group registers, cleared while
   this peer looks for one: what ``rpc_aggregate_part`` waits on for a group it does not know), ``._state_updated``
   (wakes state sharing), ``._p2p`` (the averager's libp2p host): :class:`OwnAllReduceHooks`;
+- ``Matchmaking._check_reasons_to_reject`` / ``.leader_assemble_group`` (wrapped), ``.current_followers``,
+  ``.request_timeout``, ``.min_group_size``: :class:`OnlyWaitingFollowers`;
 - ``DHT._get_visible_maddrs``: :func:`visible_maddrs_coroutine`;
 - ``DHT._inner_pipe`` (the DHT process's end of its request pipe): :class:`DHTSurvivingDeadSenders`;
 - ``P2P._client`` (the p2p daemon's client): :func:`dial`;
@@ -29,8 +31,9 @@ import asyncio
 import logging
 import time
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import InvalidStateError
+from contextlib import contextmanager
 from functools import partial
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
@@ -44,9 +47,11 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
 
-__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OwnAllReduceHooks", "WithdrawalsInBackground", "cancel_step",
-           "check_hivemind_version", "declared_state_priorities", "dial", "visible_maddrs_coroutine"]
+__all__ = ["HIVEMIND_VERSION", "DHTSurvivingDeadSenders", "OnlyWaitingFollowers", "OwnAllReduceHooks",
+           "WithdrawalsInBackground", "cancel_step", "check_hivemind_version", "declared_state_priorities", "dial",
+           "visible_maddrs_coroutine"]
 
 HIVEMIND_VERSION = "1.1.12"
 
@@ -73,6 +78,8 @@ class OwnAllReduceHooks:
     def __init__(self, *args, **kwargs):
         self._own_reports: dict[bytes, Any] = {}  # group id -> what run_group_allreduce returned
         self._allreduce_started: dict[bytes, float] = {}  # group id -> when hivemind's timeout began (loop clock)
+        self._join_requests_since: dict[PeerID, float] = {}  # follower -> when its join request came (loop clock)
+        self._guarded_matchmaking: Any = None  # the matchmaking that OnlyWaitingFollowers wraps (one per process)
         super().__init__(*args, **kwargs)
 
     async def run_group_allreduce(self, tensors, group_info: GroupInfo, group_id: bytes, *, peer_fractions,
@@ -120,11 +127,25 @@ class OwnAllReduceHooks:
         async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
+    @contextmanager
+    def join_request(self, follower: PeerID) -> Iterator[None]:
+        """Around the handling of ``follower``'s join request, from the moment it came: a request that waited for us
+        longer than its sender waits is refused (:class:`OnlyWaitingFollowers`)."""
+        self._join_requests_since[follower] = asyncio.get_event_loop().time()
+        try:
+            yield
+        finally:
+            self._join_requests_since.pop(follower, None)
+
     async def _step(self, **kwargs) -> None:
-        """hivemind's step, whose matchmaking withdraws its declaration in the background (see below)."""
+        """hivemind's step, whose matchmaking withdraws its declaration in the background and, as a leader, counts in
+        only followers that still wait for it (see both classes below)."""
         manager = self._matchmaking.group_key_manager
         if not isinstance(manager.declare_averager, WithdrawalsInBackground):
             manager.declare_averager = WithdrawalsInBackground(manager.declare_averager)
+        if self._guarded_matchmaking is not self._matchmaking:
+            OnlyWaitingFollowers(self._matchmaking, self._join_requests_since).install()
+            self._guarded_matchmaking = self._matchmaking
         await super()._step(**kwargs)
 
     def mark_averaged(self) -> None:
@@ -183,6 +204,65 @@ class WithdrawalsInBackground:
         self._pending.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.debug("withdrawing a matchmaking declaration failed: %r", task.exception())
+
+
+class OnlyWaitingFollowers:
+    """Makes one hivemind ``Matchmaking`` (our averager's, in its process), as a leader, count in only followers that
+    still wait for its word.
+
+    Why: a follower waits ``request_timeout`` for the leader's first answer and, once accepted, for its "begin" until
+    its own expiration + ``request_timeout``; then it leaves and looks on for a group. A leader whose process lagged
+    past that (a loaded 2-core machine) still accepted the request, or formed its group with that follower in it, and
+    the group ran without a member it counted in. A missing sender is noticed (its range is lost: the group is formed
+    again); an auxiliary owns no range, so nobody noticed, and the validator lost the round (CI, twice: "deadline
+    passed (stage LOOKING_FOR_GROUP)" for the auxiliary while the senders averaged in a group that counted it; in the
+    accountable network that cost the validator three scoring rounds). So the leader (a) refuses a join request that
+    waited for it longer than ``PATIENCE_USED`` of the sender's wait (the answer still has its way back), and (b) forms
+    its group without the followers whose wait for the word has run out as far, as long as ``min_group_size`` remain
+    (with fewer it forms the group as hivemind does, and the runner's handling of absent members takes over).
+    """
+
+    PATIENCE_USED = 0.5  # of a follower's ``request_timeout``; the rest is for the answer's way back and its own lag
+
+    def __init__(self, matchmaking: Any, requests_since: dict[PeerID, float]):
+        """``requests_since``: follower -> when its join request came (the event loop's clock), kept by the caller
+        while it handles the request (:meth:`OwnAllReduceHooks.join_request`)."""
+        self._matchmaking = matchmaking
+        self._requests_since = requests_since
+        self._check_reasons_to_reject = matchmaking._check_reasons_to_reject
+        self._leader_assemble_group = matchmaking.leader_assemble_group
+
+    def install(self) -> None:
+        self._matchmaking._check_reasons_to_reject = self.check_reasons_to_reject
+        self._matchmaking.leader_assemble_group = self.leader_assemble_group
+
+    @property
+    def _patience_used(self) -> float:
+        return self.PATIENCE_USED * self._matchmaking.request_timeout
+
+    def check_reasons_to_reject(self, request: averaging_pb2.JoinRequest,
+                                context: P2PContext) -> averaging_pb2.MessageFromLeader | None:
+        """hivemind's reasons first (a redirect to our own leader among them), then whether the sender still waits."""
+        reason = self._check_reasons_to_reject(request, context)
+        since = self._requests_since.get(context.remote_id)
+        if reason is not None or since is None:
+            return reason
+        waited = asyncio.get_event_loop().time() - since
+        if waited <= self._patience_used:
+            return None
+        logger.info("refused %s's join request: it waited %.1f s for us, and its sender %.1f s at most",
+                    context.remote_id, waited, self._matchmaking.request_timeout)
+        return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)
+
+    async def leader_assemble_group(self) -> GroupInfo:
+        followers = self._matchmaking.current_followers
+        too_late = get_dht_time() - self._patience_used
+        gone = [peer for peer, request in followers.items() if request.expiration < too_late]
+        if gone and len(followers) - len(gone) + 1 >= self._matchmaking.min_group_size:
+            logger.info("formed our group without %s: their wait for our word ran out", sorted(map(str, gone)))
+            for peer in gone:
+                del followers[peer]
+        return await self._leader_assemble_group()
 
 
 def kill_if_alive(process: BaseProcess, what: str) -> None:

@@ -156,6 +156,87 @@ def test_private_step_looks_for_a_group_whose_withdrawal_from_the_dht_comes_befo
     assert step.index("group_info = await matchmaking_task") < step.index("self._register_allreduce_group(group_info)")
 
 
+def test_private_matchmaking_members_that_decide_whom_a_leader_counts_in():
+    """``OnlyWaitingFollowers`` wraps ``_check_reasons_to_reject`` (asked under the join lock, before a follower is
+    counted in) and ``leader_assemble_group`` (every way a leader forms its group), and relies on how long a follower
+    waits: ``request_timeout`` for the answer, its own expiration + ``request_timeout`` for the word."""
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    assert parameters(Matchmaking._check_reasons_to_reject) == ["self", "request", "context"]
+    assert parameters(Matchmaking.leader_assemble_group) == ["self"]
+    join = "".join(inspect.getsource(Matchmaking.rpc_join_group).split())
+    assert join.index("reason_to_reject=self._check_reasons_to_reject(request,context)") < join.index(
+        "self.current_followers[context.remote_id]=request")
+    assert join.count("awaitself.leader_assemble_group()") == 2
+    assert "return await self.leader_assemble_group()" in inspect.getsource(
+        Matchmaking._request_join_potential_leaders)
+    assert "ordered_peer_ids = list(self.current_followers)" in inspect.getsource(Matchmaking.leader_assemble_group)
+    request = inspect.getsource(Matchmaking._request_join_group)
+    assert "asyncio.wait_for(anext(stream), timeout=self.request_timeout)" in request
+    assert "time_to_expiration = max(0.0, request_expiration_time - get_dht_time())" in request
+    assert "asyncio.wait_for(anext(stream), time_to_expiration + self.request_timeout)" in request
+    init = inspect.getsource(Matchmaking.__init__)
+    assert "self.min_group_size" in init and "self.request_timeout = " in init
+
+
+class _Matchmaking:
+    """What ``OnlyWaitingFollowers`` reads and wraps of hivemind's ``Matchmaking`` (checked above)."""
+
+    def __init__(self, expirations: dict[str, float], min_group_size: int):
+        from hivemind.proto import averaging_pb2
+
+        self.current_followers = {peer: averaging_pb2.JoinRequest(expiration=expiration)
+                                  for peer, expiration in expirations.items()}
+        self.request_timeout, self.min_group_size = 2.0, min_group_size
+        self.assembled_with: list[str] | None = None
+
+    def _check_reasons_to_reject(self, request, context):
+        from hivemind.proto import averaging_pb2
+
+        # hivemind's own answer to a follower of ours whose leader we follow now: go to our leader
+        if context.remote_id == "sent_on":
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_A_LEADER)
+        return None
+
+    async def leader_assemble_group(self):
+        self.assembled_with = sorted(self.current_followers)
+        return "group"
+
+
+def test_a_leader_refuses_a_join_request_that_waited_for_it_past_half_its_senders_wait():
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+
+    async def scenario() -> list:
+        matchmaking, since = _Matchmaking({}, min_group_size=2), {}
+        hivemind_compat.OnlyWaitingFollowers(matchmaking, since).install()
+        now = asyncio.get_running_loop().time()
+        since.update(fresh=now - 0.9, stale=now - 1.1, sent_on=now - 1.1)  # the senders wait 2 s for our answer
+        return [matchmaking._check_reasons_to_reject(averaging_pb2.JoinRequest(), SimpleNamespace(remote_id=peer))
+                for peer in ("fresh", "stale", "unknown", "sent_on")]
+
+    fresh, stale, unknown, sent_on = asyncio.run(scenario())
+    assert fresh is None and unknown is None  # hivemind's own checks decide
+    assert stale.code == averaging_pb2.BAD_EXPIRATION_TIME
+    assert sent_on.code == averaging_pb2.NOT_A_LEADER  # hivemind's own reason comes first
+
+
+def test_a_leader_forms_its_group_without_followers_whose_wait_for_its_word_ran_out_while_enough_remain():
+    from hivemind.utils.timed_storage import get_dht_time
+
+    def assemble(expirations: dict[str, float], min_group_size: int) -> list[str]:
+        matchmaking = _Matchmaking(expirations, min_group_size)
+        hivemind_compat.OnlyWaitingFollowers(matchmaking, {}).install()
+        assert asyncio.run(matchmaking.leader_assemble_group()) == "group"
+        return matchmaking.assembled_with
+
+    now = get_dht_time()  # a follower waits for the word until its expiration + request_timeout (2 s)
+    followers = dict(waiting=now + 1.0, nearly_gone=now - 0.9, gone=now - 1.1)
+    assert assemble(followers, min_group_size=3) == ["nearly_gone", "waiting"]
+    assert assemble(followers, min_group_size=4) == ["gone", "nearly_gone", "waiting"]  # too few would remain
+
+
 def test_a_withdrawal_runs_in_the_background_and_a_declaration_is_awaited():
     calls: list[tuple[bool, str]] = []
 
@@ -193,7 +274,8 @@ def test_no_other_module_touches_a_private_hivemind_member():
     """Outside the compat module, no code names the private members it wraps."""
     privates = ("_aggregate_with_group", "_run_allreduce_inplace_", "_running_groups", "_state_updated",
                 "_pending_groups_registered", "._matchmaking", "group_key_manager",
-                "_get_visible_maddrs", "p2p._client", "AllReduceRunner.__init__", ".all_averagers")
+                "_get_visible_maddrs", "p2p._client", "AllReduceRunner.__init__", ".all_averagers",
+                "matchmaking._check_reasons_to_reject", "leader_assemble_group", "current_followers")
     offenders = []
     for folder in ("template", "neurons", "scripts", "benchmarks"):
         for path in (REPO / folder).rglob("*.py"):
