@@ -632,8 +632,9 @@ def test_killed_peer_never_hangs_nor_splits_the_survivors(dhts, moment):
                 # after everyone's matchmaking: a victim that leads has formed the group when it says MATCHED, but its
                 # word may still be on its way to a follower (once, CI: a survivor looked for the group until its
                 # deadline, the victim killed before it told it)
-                assert all(peer.wait_for_group(handle, until=time.time() + 10)
-                           for peer, handle in zip(peers, handles, strict=True))
+                matched = [peer.wait_for_group(handle, until=time.time() + 10)
+                           for peer, handle in zip(peers, handles, strict=True)]
+                assert all(matched), [handle.control.stage.name for handle in handles]
                 os.killpg(victim.pid, signal.SIGKILL)
             with ThreadPoolExecutor(2) as pool:
                 futures = [pool.submit(peers[i].finish, handles[i], deadline) for i in range(2)]
