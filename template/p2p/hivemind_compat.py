@@ -214,12 +214,13 @@ class OnlyWaitingFollowers:
     its own expiration + ``request_timeout``; then it leaves and looks on for a group. A leader whose process lagged
     past that (a loaded 2-core machine) still accepted the request, or formed its group with that follower in it, and
     the group ran without a member it counted in. A missing sender is noticed (its range is lost: the group is formed
-    again); an auxiliary owns no range, so nobody noticed, and the validator lost the round (CI, twice: "deadline
-    passed (stage LOOKING_FOR_GROUP)" for the auxiliary while the senders averaged in a group that counted it; in the
-    accountable network that cost the validator three scoring rounds). So the leader (a) refuses a join request that
-    waited for it longer than ``PATIENCE_USED`` of the sender's wait (the answer still has its way back), and (b) forms
-    its group without the followers whose wait for the word has run out as far, as long as ``min_group_size`` remain
-    (with fewer it forms the group as hivemind does, and the runner's handling of absent members takes over).
+    again); an auxiliary owns no range, so nobody noticed, and the validator lost the round (seen twice: in CI,
+    "deadline passed (stage LOOKING_FOR_GROUP)" for the auxiliary while the senders averaged in a group that counted
+    it; in a run of the accountable network, where it cost the validator three scoring rounds). So the leader (a)
+    refuses a join request that waited for it longer than ``PATIENCE_USED`` of the sender's wait (the answer still has
+    its way back), and (b) forms its group without the followers whose wait for the word has run out as far, as long
+    as ``min_group_size`` remain (with fewer it forms the group as hivemind does, and the runner's handling of absent
+    members takes over).
     """
 
     PATIENCE_USED = 0.5  # of a follower's ``request_timeout``; the rest is for the answer's way back and its own lag
