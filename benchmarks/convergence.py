@@ -134,6 +134,7 @@ class Arm:
     sparse: SparseSettings | None = None  # the settings of a "sparse" arm
     overlap: str = "blocking"  # one of OVERLAP_MODES (module docstring)
     arrival: int = 0  # corrected: the inner step of a round at which the round before's average lands
+    own_share: str = "averaged"  # the owner's input in its own part's mean (benchmarks.own_share's rules)
 
     def outer_config(self):
         """The outer step of this arm (plain SGD when its momentum is 0)."""
@@ -221,6 +222,7 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
     previous = [torch.zeros_like(theta_0)] * setup.workers  # each peer's decoded contribution of the last round
     curve, contribution_bytes, averaged_bytes = [], 0, []
     landed: torch.Tensor | None = None  # Δ̄_{r−1}, once it has landed (overlap arms)
+    carries: list[torch.Tensor] | None = None  # what owners left out of their own parts carry on (own_share arms)
     for r in range(setup.rounds):
         decoded, weights = [], []
         if arm.overlap == "corrected" and in_flight is not None:  # Δ̄_{r−1} lands during round r: G_{r−1} → G_r
@@ -235,13 +237,19 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
             else:
                 stats = trainer.train(data.worker_batches(worker, r), setup.inner_steps)
             delta = peers.starts[worker] - flatten(list(model.parameters()))
+            delta = delta if carries is None else delta + carries[worker]
             segments, contribution, peers.residuals[worker] = encode_with_feedback(
                 codec, delta, peers.residuals[worker] if codec.error_feedback else None)
             contribution_bytes = sum(len(segment) for segment in segments)
             decoded.append(contribution)
             weights.append(float(stats.tokens))
-        kept = kept_weight(decoded, weights) if codec.mean_of_kept else None
-        mean = weighted_mean(decoded, weights, kept=kept).to(torch.float32)
+        if arm.own_share == "averaged":
+            kept = kept_weight(decoded, weights) if codec.mean_of_kept else None
+            mean = weighted_mean(decoded, weights, kept=kept).to(torch.float32)
+        else:
+            from benchmarks.own_share import own_share_mean
+
+            mean, carries = own_share_mean(decoded, weights, r, arm.own_share)
         averaged_segments, averaged = encode_segments(codec, mean, average=True)
         averaged_bytes.append(sum(len(segment) for segment in averaged_segments))
         if arm.overlap == "blocking":

@@ -20,9 +20,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # longest first (seconds alone on two idle cores, --quick): bytes_per_round 21, round_overhead 16, dataplane 15,
-# allreduce 12, convergence 11, validator_cost 8, allreduce_load 8, codec_speed 4
-BENCHMARKS = ("bytes_per_round", "round_overhead", "dataplane", "allreduce", "convergence", "validator_cost",
-              "allreduce_load", "codec_speed")
+# allreduce 12, convergence 11, own_share 10, validator_cost 8, allreduce_load 8, codec_speed 4
+BENCHMARKS = ("bytes_per_round", "round_overhead", "dataplane", "allreduce", "convergence", "own_share",
+              "validator_cost", "allreduce_load", "codec_speed")
 LANES = 2
 BENCHMARK_TIMEOUT_S = 100
 # the first test waits for the whole fixture: every benchmark of the longer lane at its bound, and a margin
@@ -84,6 +84,20 @@ def test_convergence_quick(outputs):
     assert summary["diloco_over_dp_goal_met"] == (ratio <= 1.02)
     assert set(summary["codec_loss_change_vs_none"]) == {"fp16", "int8"}
     assert all(abs(change) < 0.05 for change in summary["codec_loss_change_vs_none"].values())
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT_S)
+def test_own_share_quick(outputs):
+    result = outputs["own_share"]
+    check_common(result, "own_share")
+    arms = result["arms"]
+    assert set(arms) == {f"n{n}_{rule}" for n in (2, 4) for rule in ("averaged", "deferred", "dropped")}
+    for name, arm in arms.items():
+        assert finite(arm["final_heldout_loss"]) and 0 < arm["final_heldout_loss"] < CHANCE_LOSS, (name, arm)
+        reference = arms[f"n{arm['workers']}_averaged"]["final_heldout_loss"]
+        assert arm["loss_over_averaged"] == pytest.approx(arm["final_heldout_loss"] / reference)
+    # leaving the owner out changes the average: the rules must not all train the same θ
+    assert arms["n4_deferred"]["final_heldout_loss"] != arms["n4_averaged"]["final_heldout_loss"]
 
 
 @pytest.mark.timeout(FIXTURE_TIMEOUT_S)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from benchmarks.convergence import build_arms, build_parser, engine_arm
 from benchmarks.convergence_summary import summarize
@@ -66,3 +67,29 @@ def test_the_overlapped_engine_is_summarised_against_the_blocking_arm_of_its_cod
     assert summary["overlap_over_blocking"] == {arm.name: pytest.approx(1.02)}
     assert summary["overlap_goal_met"] == {arm.name: False}
     assert set(summary["over_dense_fp32"]) == {"diloco_none", "diloco_fp16"}
+
+
+def test_the_own_share_rules_leave_each_owner_out_of_its_part_and_deferred_keeps_every_input():
+    """benchmarks.own_share: no part's mean holds its owner's input; "deferred" divides by every weight and carries
+    the owner's input, so the mean (× W) plus the carries (× their weights) is exactly Σ w·x; "dropped" is the mean
+    of the others."""
+    from benchmarks.own_share import own_share_mean, owners_of_parts
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(10, generator=generator) for _ in range(3)]
+    weights = [1.0, 2.0, 3.0]
+    bounds = torch.linspace(0, 10, 4).round().long().tolist()
+    owners = owners_of_parts(3, round=5)
+    assert sorted(owners) == [0, 1, 2] and owners == owners_of_parts(3, round=5)
+    mean, carries = own_share_mean(inputs, weights, 5, "deferred")
+    restored = mean.double() * sum(weights) + sum(w * c.double() for w, c in zip(weights, carries, strict=True))
+    assert torch.allclose(restored, sum(w * x.double() for w, x in zip(weights, inputs, strict=True)), atol=1e-5)
+    dropped, nothing = own_share_mean(inputs, weights, 5, "dropped")
+    assert all(not c.any() for c in nothing)
+    for part, owner in enumerate(owners):
+        span = slice(bounds[part], bounds[part + 1])
+        assert torch.equal(carries[owner][span], inputs[owner][span])
+        assert all(not carries[i][span].any() for i in range(3) if i != owner)
+        others = [i for i in range(3) if i != owner]
+        expected = sum(weights[i] * inputs[i][span] for i in others) / sum(weights[i] for i in others)
+        assert torch.allclose(dropped[span], expected, atol=1e-6)
