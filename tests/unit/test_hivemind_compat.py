@@ -13,12 +13,14 @@ import signal
 import time
 from concurrent.futures import InvalidStateError
 from pathlib import Path
+from types import SimpleNamespace
 
 import hivemind
 import pytest
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
 
 from template.p2p import hivemind_compat
 from template.p2p.hivemind_compat import HIVEMIND_VERSION, OwnAllReduceHooks, cancel_step, check_hivemind_version
@@ -183,16 +185,12 @@ class _Matchmaking:
     """What ``OnlyWaitingFollowers`` reads and wraps of hivemind's ``Matchmaking`` (checked above)."""
 
     def __init__(self, expirations: dict[str, float], min_group_size: int):
-        from hivemind.proto import averaging_pb2
-
         self.current_followers = {peer: averaging_pb2.JoinRequest(expiration=expiration)
                                   for peer, expiration in expirations.items()}
         self.request_timeout, self.min_group_size = 2.0, min_group_size
         self.assembled_with: list[str] | None = None
 
     def _check_reasons_to_reject(self, request, context):
-        from hivemind.proto import averaging_pb2
-
         # hivemind's own answer to a follower of ours whose leader we follow now: go to our leader
         if context.remote_id == "sent_on":
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_A_LEADER)
@@ -204,10 +202,6 @@ class _Matchmaking:
 
 
 def test_a_leader_refuses_a_join_request_that_waited_for_it_past_half_its_senders_wait():
-    from types import SimpleNamespace
-
-    from hivemind.proto import averaging_pb2
-
     async def scenario() -> list:
         matchmaking, since = _Matchmaking({}, min_group_size=2), {}
         hivemind_compat.OnlyWaitingFollowers(matchmaking, since).install()
