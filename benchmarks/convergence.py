@@ -85,6 +85,7 @@ from benchmarks.common import (
     run_peers,
 )
 from benchmarks.convergence_summary import summarize
+from benchmarks.own_share import own_share_mean
 from template.allreduce.codecs import (
     SPARSE_MEANS,
     SegmentCodec,
@@ -247,8 +248,6 @@ def run_diloco(setup: Setup, arm: Arm, data: _Data) -> dict[str, Any]:
             kept = kept_weight(decoded, weights) if codec.mean_of_kept else None
             mean = weighted_mean(decoded, weights, kept=kept).to(torch.float32)
         else:
-            from benchmarks.own_share import own_share_mean
-
             mean, carries = own_share_mean(decoded, weights, r, arm.own_share)
         averaged_segments, averaged = encode_segments(codec, mean, average=True)
         averaged_bytes.append(sum(len(segment) for segment in averaged_segments))

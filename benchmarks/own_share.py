@@ -47,6 +47,11 @@ def owners_of_parts(workers: int, round: int) -> list[int]:
     return torch.randperm(workers, generator=torch.Generator().manual_seed(10_007 + round)).tolist()
 
 
+def part_bounds(numel: int, workers: int) -> list[int]:
+    """Where each of the ``workers`` equal contiguous parts of ``numel`` values starts (and the last one ends)."""
+    return torch.linspace(0, numel, workers + 1).round().long().tolist()
+
+
 def own_share_mean(decoded: list[torch.Tensor], weights: list[float], round: int,
                    rule: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The round's average under ``rule`` ("deferred" or "dropped": module docstring) and what each peer carries into
@@ -55,15 +60,13 @@ def own_share_mean(decoded: list[torch.Tensor], weights: list[float], round: int
     total = sum(weights)
     mean = torch.zeros(numel, dtype=torch.float64)
     carries = [torch.zeros(numel, dtype=torch.float32) for _ in decoded]
-    bounds = torch.linspace(0, numel, workers + 1).round().long().tolist()
+    bounds = part_bounds(numel, workers)
     for part, owner in enumerate(owners_of_parts(workers, round)):
         start, stop = bounds[part], bounds[part + 1]
         others = [i for i in range(workers) if i != owner]
-        others_weight = sum(weights[i] for i in others)
-        divisor = total if rule == "deferred" else others_weight
         mean[start:stop] = weighted_mean([decoded[i][start:stop] for i in others], [weights[i] for i in others])
-        mean[start:stop] *= others_weight / divisor
-        if rule == "deferred":
+        if rule == "deferred":  # every input at its usual weight: divide by all of them, the owner's carried on
+            mean[start:stop] *= sum(weights[i] for i in others) / total
             carries[owner][start:stop] = decoded[owner][start:stop]
     return mean.to(torch.float32), carries
 
@@ -94,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workers takes comma-separated integers, got {args.workers!r}")
     if any(n < 2 for n in workers):
         parser.error("--workers: every N must be at least 2 (a part needs another member to vouch for it)")
-    if set(args.rules.split(",")) - set(OWN_SHARE_RULES):
+    asked = set(args.rules.split(","))
+    if asked - set(OWN_SHARE_RULES):
         parser.error(f"--rules takes {','.join(OWN_SHARE_RULES)}, got {args.rules}")
-    rules = ["averaged"] + [rule for rule in OWN_SHARE_RULES[1:] if rule in args.rules.split(",")]
+    rules = ["averaged"] + [rule for rule in OWN_SHARE_RULES[1:] if rule in asked]
     lr, momentum = outer_of(args.codec, [])
     base = Setup(data=args.data, model=args.preset, workers=workers[0], inner_steps=args.inner_steps,
                  rounds=args.rounds, seq_len=args.seq_len, batch_size=args.batch_size,

@@ -73,12 +73,13 @@ def test_the_own_share_rules_leave_each_owner_out_of_its_part_and_deferred_keeps
     """benchmarks.own_share: no part's mean holds its owner's input; "deferred" divides by every weight and carries
     the owner's input, so the mean (× W) plus the carries (× their weights) is exactly Σ w·x; "dropped" is the mean
     of the others."""
-    from benchmarks.own_share import own_share_mean, owners_of_parts
+    from benchmarks.own_share import own_share_mean, owners_of_parts, part_bounds
 
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(10, generator=generator) for _ in range(3)]
     weights = [1.0, 2.0, 3.0]
-    bounds = torch.linspace(0, 10, 4).round().long().tolist()
+    bounds = part_bounds(10, 3)
+    assert bounds[0] == 0 and bounds[-1] == 10 and len(bounds) == 4
     owners = owners_of_parts(3, round=5)
     assert sorted(owners) == [0, 1, 2] and owners == owners_of_parts(3, round=5)
     mean, carries = own_share_mean(inputs, weights, 5, "deferred")
