@@ -45,6 +45,7 @@ Every peer of a run must use this code: its wire protocol differs from stock hiv
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -71,6 +72,7 @@ from template.allreduce.contribution import (
     shaped,
     sign_statements,
 )
+from template.allreduce.disputes import dispute_bytes
 from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
 from template.allreduce.owner_inputs import OwnerInputs
 from template.allreduce.reduction import OwnerRule
@@ -109,6 +111,7 @@ class AveragingConfig:
     confirmation_time: float = 3.0  # how long members wait for each other's confirmation after the all-reduce
     norm_clip_multiple: float | None = 3.0  # None or 0: no norm clipping (validation still applies)
     value_bound_multiple: float | None = 3.0  # None or 0: no bound on single values (reduction.OwnerRule)
+    own_input_min_senders: int = 8  # from this many senders an owner averages without its own input; 0: never
     auxiliary: bool = False  # validators: contribute nothing, receive the average
     # per-peer allowances of the handlers anyone who reaches our host may call (a peer sends a few join requests
     # per round and downloads our state when it (re)joins; a flood beyond these is refused)
@@ -129,7 +132,7 @@ class AveragingConfig:
                 raise ValueError(f"{name} must be > 0: an unset timeout lets a dead peer hang the round")
         if self.request_timeout >= self.matchmaking_time:
             raise ValueError("request_timeout must be < matchmaking_time (hivemind matchmaking can deadlock otherwise)")
-        OwnerRule(self.norm_clip_multiple, self.value_bound_multiple)  # ValueError for a multiple out of range
+        _ = self.owner_rule  # ValueError for a bound out of range
         if self.confirmation_time < 0:
             raise ValueError("confirmation_time must be >= 0")
         if self.max_join_requests_per_minute < 1 or self.max_state_downloads_per_minute < 1:
@@ -138,7 +141,7 @@ class AveragingConfig:
     @property
     def owner_rule(self) -> OwnerRule:
         """The bounds an owner applies to every contribution (and a validator's audit with it)."""
-        return OwnerRule(self.norm_clip_multiple, self.value_bound_multiple)
+        return OwnerRule(self.norm_clip_multiple, self.value_bound_multiple, self.own_input_min_senders)
 
 
 @dataclass
@@ -370,12 +373,14 @@ class PseudoGradientAverager:
             if (control := self._retry(handle, deadline, why)) is None:
                 return self._failure(started, why)
 
-        gathered = outcome["gathered"]
+        gathered, terms = outcome["gathered"], handle.gather["terms"]
         evidence = report.evidence
-        evidence.conflicts = confirm_shares(
+        confirmation = confirm_shares(
             self.dht, f"{self.config.prefix}_confirm_{report.group_id.hex()}", self.peer_id, evidence,
-            report.group_id, gathered, handle.gather["terms"], self.verify,
-            until=min(deadline, time.time() + self.config.confirmation_time))
+            report.group_id, gathered, terms, self.verify,
+            until=min(deadline, time.time() + self.config.confirmation_time),
+            disputes=self._signed_disputes(evidence, report.group_id, terms))
+        evidence.conflicts, evidence.disputes = confirmation.conflicts, confirmation.disputes
         conflicts = list(evidence.conflicts)
         reason = report.failure or (f"owner(s) {conflicts} sent different members different signed shares: "
                                     "round refused by all" if conflicts else "")
@@ -383,6 +388,7 @@ class PseudoGradientAverager:
         if not reason:
             flat: list[torch.Tensor] = []
             if self._with_buffers(deadline, lambda: flat.append(self._output.clone())):
+                self._drop_disputed(flat[0], evidence)
                 averaged = shaped(flat[0], self.shapes)
             else:
                 reason = "the averaged result could not be read before the deadline"
@@ -404,6 +410,25 @@ class PseudoGradientAverager:
             finished_at=report.finished_at,
             abandoned_groups=abandoned,
         )
+
+    def _signed_disputes(self, evidence: AllReduceEvidence, group_id: bytes, terms: dict) -> dict[int, bytes]:
+        """segment -> our signed dispute, for each owner's segment that misstated our input (disputes.py)."""
+        if self.signer is None:
+            return {}
+        return {segment: self.signer.sign(dispute_bytes(terms["scope"], terms["round"], group_id, segment,
+                                                        record.digest))
+                for segment, record in evidence.segments.items() if record.disputed}
+
+    def _drop_disputed(self, flat: torch.Tensor, evidence: AllReduceEvidence) -> None:
+        """Zeros over every disputed segment that is not refuted already, and why in its record: no step there, on
+        every member that read the dispute (template.allreduce.disputes)."""
+        for segment, (sender, _) in sorted(evidence.disputes.items()):
+            record = evidence.segments[segment]
+            if not record.refuted:
+                start, stop = self.buffer.layout.values(segment, segment + 1)
+                flat[start:stop] = 0.0
+                evidence.segments[segment] = dataclasses.replace(
+                    record, refuted=f"sender {evidence.senders[sender]} disputed the owner's statement of its input")
 
     def _retry(self, handle: AveragingHandle, deadline: float, why: str) -> StepControl | None:
         """A new step for ``handle``'s round, whose last step failed before any data moved or in a group that no

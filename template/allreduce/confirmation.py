@@ -1,13 +1,18 @@
 """The members' confirmation after an all-reduce: do all members hold the same signed shares of every owner?
 
 Every member posts, under one DHT key per group, the certificates (:class:`~template.allreduce.evidence.
-OwnerCertificate`) it received from each owner, and reads the others' until every member posted, the confirmation
-time passed, or the caller's deadline. Two *validly signed* certificates of one owner that differ prove that it sent
+OwnerCertificate`) it received from each owner and, as a sender, its signed disputes of owners' statements of its
+input (:mod:`template.allreduce.disputes`), and reads the others' until every member posted, the confirmation time
+passed, or the caller's deadline. Two *validly signed* certificates of one owner that differ prove that it sent
 different members different bytes (or averaged against other commitments): every member that sees them refuses the
-round, and the owner is named. A claim that does not verify is ignored, so nobody can frame an owner here.
+round, and the owner is named. A validly signed dispute of a segment by a sender that the segment includes drops
+that segment on every member that reads it (zeros, as a refuted one); who lied is judged by validators afterwards.
+A claim or dispute that does not verify is ignored, so nobody can frame an owner or a sender here.
 
 What happens when a peer disappears: a member that never posts is simply not waited for past the confirmation time;
-a DHT failure while posting skips the confirmation (the round is not refused on a hiccup).
+a DHT failure while posting skips the confirmation (the round is not refused on a hiccup). A member that stops
+reading before a late member's record arrives misses its disputes (and conflicts): that member then applies a segment
+the others drop — the one way θ can differ after a confirmed round, and only beside a false statement or dispute.
 """
 
 from __future__ import annotations
@@ -15,16 +20,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
 from hivemind.utils import get_dht_time
 
 from template.allreduce.contribution import Verifier
+from template.allreduce.disputes import dispute_bytes
 from template.allreduce.evidence import AllReduceEvidence
 from template.allreduce.messages import certificate_bytes
 
-__all__ = ["confirm_shares"]
+__all__ = ["Confirmation", "confirm_shares"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,49 +40,88 @@ CONFIRMATION_POLL_S = 0.2  # the longest pause between two reads of the members'
 CONFIRMATION_FIRST_POLL_S = 0.01  # the first pause; each next one doubles up to CONFIRMATION_POLL_S
 
 
+@dataclass(frozen=True)
+class Confirmation:
+    """What the members' records showed: owners with two different valid certificates (member indices), and the
+    validly signed disputes (segment -> (sender index, its signature))."""
+
+    conflicts: tuple[int, ...] = ()
+    disputes: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+
+
 def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllReduceEvidence, group_id: bytes,
-                   gathered: Mapping[str, Any], terms: Mapping[str, Any], verify: Verifier,
-                   until: float) -> tuple[int, ...]:
-    """Post our certificates under ``key``, compare with the other members' until ``until`` (time.time()); return the
-    owners (member indices) with two different valid certificates (module docstring)."""
-    ours = {str(owner): certificate.claim() for owner, certificate in evidence.certificates.items()}
+                   gathered: Mapping[str, Any], terms: Mapping[str, Any], verify: Verifier, until: float,
+                   disputes: Mapping[int, bytes] | None = None) -> Confirmation:
+    """Post our certificates and ``disputes`` (segment -> our signature of :func:`~template.allreduce.disputes.
+    dispute_bytes`, as the sender we are) under ``key``, compare with the other members' until ``until``
+    (time.time()) (module docstring)."""
+    ours = dict(certificates={str(owner): certificate.claim() for owner, certificate in evidence.certificates.items()},
+                disputes={str(segment): signature.hex() for segment, signature in (disputes or {}).items()})
     try:
         dht.store(key, ours, expiration_time=get_dht_time() + CONFIRMATION_TTL_S, subkey=own_subkey)
     except Exception as err:  # a DHT hiccup must not fail the round: we just do not confirm
         logger.warning("could not post our confirmation: %r", err)
-        return ()
-    keys = _owner_keys(evidence, gathered)
+        return Confirmation()
+    keys = _signing_keys(evidence, gathered)
+    owner_keys = {index: keys[peer] for index, peer in enumerate(gathered) if peer in keys}
     # members finish within milliseconds of each other: poll soon, then back off (the same reads, fewer waits)
     pause = CONFIRMATION_FIRST_POLL_S
     while True:
         found = dht.get(key, latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         seen: dict[int, set[tuple[str, str]]] = {}
-        for entry in entries.values():
+        disputed: dict[int, tuple[int, bytes]] = {}
+        for poster, entry in entries.items():
             record = getattr(entry, "value", None)
-            for owner, claim in (record.items() if isinstance(record, dict) else []):
-                index = _valid_certificate(owner, claim, keys, evidence, terms, group_id, verify)
+            record = record if isinstance(record, dict) else {}
+            certificates, posted = record.get("certificates"), record.get("disputes")
+            for owner, claim in (certificates.items() if isinstance(certificates, dict) else []):
+                index = _valid_certificate(owner, claim, owner_keys, evidence, terms, group_id, verify)
                 if index is not None:
                     seen.setdefault(index, set()).add((claim[0], claim[1]))
+            for segment, signature in (posted.items() if isinstance(posted, dict) else []):
+                found_dispute = _valid_dispute(poster, segment, signature, keys, evidence, terms, group_id, verify)
+                if found_dispute is not None:
+                    disputed.setdefault(found_dispute[0], found_dispute[1:])
         conflicts = tuple(sorted(owner for owner, claims in seen.items() if len(claims) > 1))
         if conflicts:
             logger.warning("owners %s signed different shares for different members: round refused", list(conflicts))
-            return conflicts
+            return Confirmation(conflicts, disputed)
         if len(entries) >= len(gathered) or time.time() >= until:
-            return ()
+            if disputed:
+                logger.warning("senders disputed the owners' statements of their inputs in segments %s: dropped",
+                               sorted(disputed))
+            return Confirmation((), disputed)
         time.sleep(pause)
         pause = min(2 * pause, CONFIRMATION_POLL_S)
 
 
-def _owner_keys(evidence: AllReduceEvidence, gathered: Mapping[str, Any]) -> dict[int, str]:
-    """owner (member index) -> the key that signs its certificates: the key of its commitment."""
+def _signing_keys(evidence: AllReduceEvidence, gathered: Mapping[str, Any]) -> dict[str, str]:
+    """sender peer id -> the key that signs its certificates and disputes: the key of its commitment."""
     keys = {}
-    for index, peer in enumerate(gathered):
-        data = gathered[peer]
+    for peer, data in gathered.items():
         commitment = data.get("commitment") if isinstance(data, dict) else None
         if peer in evidence.senders and isinstance(commitment, dict) and isinstance(commitment.get("key"), str):
-            keys[index] = commitment["key"]
+            keys[peer] = commitment["key"]
     return keys
+
+
+def _valid_dispute(poster: Any, segment: Any, signature: Any, keys: dict[str, str], evidence: AllReduceEvidence,
+                   terms: Mapping[str, Any], group_id: bytes, verify: Verifier) -> tuple[int, int, bytes] | None:
+    """(segment, sender index, signature) when ``signature`` (hex) is the valid dispute, by the sender that posted
+    it (``poster``: the record's subkey, its peer id), of ``segment`` as we received it, and the segment includes
+    that sender; None otherwise. Anyone may post under any subkey: the signature is what counts."""
+    try:
+        index, signature = int(segment), bytes.fromhex(signature)
+        record = evidence.segments[index]
+        sender = evidence.senders.index(poster)
+        message = dispute_bytes(terms["scope"], terms["round"], group_id, index, record.digest)
+    except (TypeError, ValueError, KeyError):
+        return None
+    key = keys.get(poster)
+    if key is None or sender not in record.included or not verify(key, message, signature):
+        return None
+    return index, sender, signature
 
 
 def _valid_certificate(owner: Any, claim: Any, keys: dict[int, str], evidence: AllReduceEvidence,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from template.allreduce.messages import Refusal
+from template.allreduce.messages import InputStatement, Refusal
 from template.allreduce.owner_inputs import OwnerInputs
 
 __all__ = ["AllReduceEvidence", "AllReduceReport", "OwnerCertificate", "SegmentRecord"]
@@ -29,6 +29,8 @@ class SegmentRecord:
     digest: bytes  # sha256 of the averaged segment's encoded bytes
     refusals: tuple[Refusal, ...] = ()  # senders refused with proof (their own signed statement of other bytes)
     refuted: str = ""  # why the average missed the owner's claims: dropped (zeros in θ's step), by every member alike
+    disputed: str = ""  # why this member, a sender, disputes the owner's statement of its input (disputes.py)
+    statements: tuple[InputStatement | None, ...] = ()  # per included sender, what the owner stated (auxiliaries)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,13 @@ class AllReduceEvidence:
     certificates: dict[int, OwnerCertificate] = field(default_factory=dict)  # owner (member index) -> certificate
     failed_owners: dict[str, str] = field(default_factory=dict)  # owner peer id -> why its share failed here
     conflicts: tuple[int, ...] = ()  # owners that signed different shares for different members (confirmation)
+    # segment -> (sender index, its signature): senders' signed disputes of the owner's statement of their input
+    # (confirmation); each such segment is dropped (zeros) by every member that read it
+    disputes: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     recovered: dict[int, str] = field(default_factory=dict)  # owner -> the member that relayed its share to us
+    # per member, its sender index when the rule left each owner's own input out of its segments (reduction.
+    # OwnerRule.own_input_min_senders), else (): such a segment still counts as covering its owner
+    left_out: tuple[int | None, ...] = ()
 
     def coverage(self) -> dict[str, float]:
         """Sender peer id -> the fraction of the vector's segments whose average includes it."""
@@ -65,6 +73,8 @@ class AllReduceEvidence:
         for record in self.segments.values():
             for sender in record.included:
                 included[sender] += 1
+            if self.left_out and (owner := self.left_out[record.owner]) is not None:
+                included[owner] += 1  # its input was left out by the rule, not lost
         return {peer: (included[s] / count if count else 0.0) for s, peer in enumerate(self.senders)}
 
     def refuted(self) -> dict[int, str]:

@@ -10,8 +10,9 @@ Owner → every member (senders and auxiliary validators alike), the same bytes 
 
 - one :class:`AveragedSegment` per segment: the encoded average, which senders it includes, their total weight, the
   *proven* refusals — a sender whose bytes did not match its committed leaf, with the sender's own signature of
-  the digest it did send — and the owner's claims, which every member holds the average against
-  (:mod:`template.allreduce.verification`);
+  the digest it did send — the owner's claims, which every member holds the average against
+  (:mod:`template.allreduce.verification`), and each input's norm and largest magnitude as its rule read them, from
+  which each sender checks the claim of its own input (:mod:`template.allreduce.disputes`);
 - a final :class:`ShareCertificate`: the owner's signature over the digest of every averaged segment it sent and of
   the commitments it checked against, so that two members who received different bytes, or an owner that averaged
   against other roots, hold conflicting signed statements (the confirmation in :mod:`template.allreduce.averager`).
@@ -116,6 +117,16 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class InputStatement:
+    """What an owner says about one sender's input in one averaged segment (or what that input really gives): its
+    norm and largest magnitude as the owner's rule read them, and its claims (template.allreduce.disputes)."""
+
+    norm: float
+    peak: float
+    claims: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class AveragedSegment:
     data: bytes
     included: tuple[int, ...]  # sender indices, increasing
@@ -124,22 +135,37 @@ class AveragedSegment:
     # per included sender, the owner's projections of its input (template.allreduce.verification); () for a codec
     # whose segments are not checked in the round
     claims: tuple[tuple[float, ...], ...] = ()
+    # per included sender, its input's norm and largest magnitude as the owner's rule read them (each sender redoes
+    # the rule for its own input from these: template.allreduce.disputes); () without claims
+    norms: tuple[float, ...] = ()
+    peaks: tuple[float, ...] = ()
+
+    def statement(self, position: int) -> InputStatement | None:
+        """The owner's statement of the ``position``-th included sender's input; None when it made none."""
+        if not len(self.norms) == len(self.peaks) == len(self.claims) == len(self.included):
+            return None
+        return InputStatement(self.norms[position], self.peaks[position], tuple(self.claims[position]))
 
     def pack(self, senders: int) -> bytes:
         mask = sum(1 << s for s in self.included).to_bytes((senders + 7) // 8, "little")
         refusals = [[r.sender, r.leaf, r.signature] for r in self.refusals]
         return _pack(dict(data=self.data, included=mask, weight=float(self.weight), refusals=refusals,
-                          claims=[list(c) for c in self.claims]))
+                          claims=[list(c) for c in self.claims], norms=[float(n) for n in self.norms],
+                          peaks=[float(p) for p in self.peaks]))
 
     @classmethod
     def unpack(cls, data: bytes, max_bytes: int, senders: int) -> AveragedSegment:
-        document = _unpack(data, ("data", "included", "weight", "refusals", "claims"), "averaged segment",
-                           max_bytes + senders * (DIGEST_BYTES + MAX_SIGNATURE_BYTES + 16 + 9 * MAX_CLAIMS) + 64)
+        document = _unpack(data, ("data", "included", "weight", "refusals", "claims", "norms", "peaks"),
+                           "averaged segment",
+                           max_bytes + senders * (DIGEST_BYTES + MAX_SIGNATURE_BYTES + 34 + 9 * MAX_CLAIMS) + 64)
         mask, weight, refusals = document["included"], document["weight"], document["refusals"]
-        claims = document["claims"]
+        claims, norms, peaks = document["claims"], document["norms"], document["peaks"]
         if not isinstance(claims, list) or len(claims) > senders or not all(
                 isinstance(c, list) and len(c) <= MAX_CLAIMS and all(isinstance(p, float) for p in c) for c in claims):
             raise MessageError(f"an averaged segment's claims are at most {MAX_CLAIMS} floats per sender")
+        if not all(isinstance(v, list) and len(v) <= senders and all(isinstance(x, float) for x in v)
+                   for v in (norms, peaks)):
+            raise MessageError("an averaged segment's norms and peaks are at most one float per sender")
         if not isinstance(document["data"], bytes) or not isinstance(mask, bytes) or len(mask) != (senders + 7) // 8:
             raise MessageError("an averaged segment's data and inclusion mask must be bytes of the right size")
         if not isinstance(weight, float) or not isinstance(refusals, list) or len(refusals) > senders:
@@ -154,7 +180,7 @@ class AveragedSegment:
                 raise MessageError("a refusal is [sender index, 32-byte leaf, signature]")
             parsed.append(Refusal(item[0], item[1], _signature(item[2], "a refusal's signature")))
         return cls(document["data"], tuple(s for s in range(senders) if bits >> s & 1), weight, tuple(parsed),
-                   tuple(tuple(c) for c in claims))
+                   tuple(tuple(c) for c in claims), tuple(norms), tuple(peaks))
 
 
 @dataclass(frozen=True)

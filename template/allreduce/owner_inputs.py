@@ -82,6 +82,10 @@ class InputKeeper:
         """A segment whose bytes hashed to the sender's leaf."""
         self._segments[sender][segment] = data
 
+    def accepted(self, sender: int, segment: int) -> bytes:
+        """The bytes of ``sender``'s ``segment`` that we kept."""
+        return self._segments[sender][segment]
+
     def snapshot(self) -> OwnerInputs:
         return OwnerInputs(self.start, self.stop, self.count, tuple(
             AcceptedInput(self.keys[s], *self._headers[s], dict(self._segments[s]))

@@ -23,7 +23,12 @@ Given the contributions that reached the owner for one segment (already checked 
    random directions drawn from the averaged bytes: the *claims* every member holds the average against
    (:mod:`template.allreduce.verification`). For a ``mean_of_kept`` codec an input is projected after scaling each
    value by W / K (K: the weight of the senders that kept it, :func:`kept_weight`), so the members' one formula
-   Σ (w/W)·claim holds for both means.
+   Σ (w/W)·claim holds for both means. With the claims go each input's norm and largest magnitude (the rule's whole
+   freedom, :class:`ReducedSegment`), from which each sender redoes steps 2–5 for its own input
+   (:mod:`template.allreduce.disputes`).
+
+The owner's own input is not among the inputs when the group has at least ``OwnerRule.own_input_min_senders``
+senders (the runner leaves it out): then every input of an average is one its sender can check.
 
 Every step is deterministic, so the same inputs give the same bytes on any machine: the owner sends those bytes to
 every member (all members hold bit-identical Δ̄), and a validator holding every contributor's publication recomputes
@@ -54,12 +59,31 @@ class OwnerRule:
 
     norm_clip_multiple: float | None = 3.0
     value_bound_multiple: float | None = 3.0
+    # from this many senders in a group, an owner leaves its own input out of its segments' averages, so that every
+    # input of an average is checked by its sender (template.allreduce.disputes); 0: never. 8: where dropping 1/N of
+    # each segment's inputs costs ≤ 0.5 % of held-out loss (docs/benchmarks.md §10; 4 % at 3 senders)
+    own_input_min_senders: int = 8
 
     def __post_init__(self) -> None:
         for name in ("norm_clip_multiple", "value_bound_multiple"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be None or a finite number >= 0, not {value}")
+        count = self.own_input_min_senders
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"own_input_min_senders must be an integer >= 0, not {count!r}")
+
+    def leaves_out_owner(self, senders: int) -> bool:
+        """Whether, in a group of ``senders`` senders, each owner averages its segments without its own input."""
+        return 0 < self.own_input_min_senders <= senders
+
+    def left_out(self, members: Sequence, senders: Sequence) -> tuple[int | None, ...] | None:
+        """Per member (group order), the sender index of the input it leaves out of its own segments (None for an
+        auxiliary member); None when the group is too small for the rule to leave any out."""
+        if not self.leaves_out_owner(len(senders)):
+            return None
+        index = {peer: s for s, peer in enumerate(senders)}
+        return tuple(index.get(peer) for peer in members)
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,10 @@ class ReducedSegment:
     clipped: tuple[tuple[int, float], ...]  # (sender, factor) for contributions whose norm was clipped
     bounded: tuple[tuple[int, int], ...] = ()  # (sender, how many of its values) for contributions clamped in step 3
     claims: tuple[tuple[float, ...], ...] = ()  # per included sender, step 5 (empty when not asked for)
+    # per included sender, what the rule's bounds were computed from: its input's L2 norm and largest magnitude
+    # (float64, before clipping), so that a sender can redo the rule for its own input (template.allreduce.disputes)
+    norms: tuple[float, ...] = ()
+    peaks: tuple[float, ...] = ()
     # the directions the claims were made on (seeded by the digest of ``data``); not part of the result's value
     drawn: Directions | None = field(default=None, compare=False, repr=False)
 
@@ -156,16 +184,11 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
     if not valid:
         raise NoValidContribution("no valid contribution")
 
-    norms = [float(torch.linalg.vector_norm(values, dtype=torch.float64)) for _, values, _ in valid]
-    factors = [1.0] * len(valid)
-    clipped: list[tuple[int, float]] = []
-    if rule.norm_clip_multiple:
-        bound = rule.norm_clip_multiple * lower_median(norms)
-        for i, norm in enumerate(norms):
-            if norm > bound:
-                factors[i] = bound / norm
-                clipped.append((valid[i][0], factors[i]))
-    values, bounded = _bounded_values([v for _, v, _ in valid], factors, rule.value_bound_multiple)
+    norms = [input_norm(values) for _, values, _ in valid]
+    peaks = [input_peak(values) for _, values, _ in valid]
+    factors = clip_factors(norms, rule.norm_clip_multiple)
+    clipped = [(valid[i][0], f) for i, f in enumerate(factors) if f != 1.0]
+    values, bounded = _bounded_values([v for _, v, _ in valid], peaks, factors, rule.value_bound_multiple)
     weights = [w for _, _, w in valid]
     total = sum(weights)
     kept = kept_weight(values, weights) if codec.mean_of_kept else None
@@ -176,20 +199,46 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
         drawn = Directions(claims_context, hashlib.sha256(data).digest(), numel, codec.check_directions)
         made = claims(values, factors, drawn, None if kept is None else (kept.numpy(), math.fsum(weights)))
     return ReducedSegment(data, tuple(s for s, _, _ in valid), total, tuple(dropped), tuple(clipped),
-                          tuple((valid[i][0], count) for i, count in bounded), made, drawn)
+                          tuple((valid[i][0], count) for i, count in bounded), made, tuple(norms), tuple(peaks), drawn)
 
 
-def _bounded_values(values: list[torch.Tensor], factors: list[float],
+def input_norm(values: torch.Tensor) -> float:
+    """An input's L2 norm as the rule reads it (float64)."""
+    return float(torch.linalg.vector_norm(values, dtype=torch.float64))
+
+
+def input_peak(values: torch.Tensor) -> float:
+    """An input's largest magnitude (0 for an empty one)."""
+    return float(values.abs().max()) if values.numel() else 0.0
+
+
+def clip_factors(norms: Sequence[float], multiple: float | None) -> list[float]:
+    """Step 2's norm clip: per input, the factor its values are scaled by (1 unless its norm exceeds ``multiple`` ×
+    the lower median of ``norms``)."""
+    if not multiple:
+        return [1.0] * len(norms)
+    bound = multiple * lower_median(norms)
+    return [bound / norm if norm > bound else 1.0 for norm in norms]
+
+
+def bounded_input(values: torch.Tensor, peak: float, factor: float, bound: float) -> torch.Tensor | None:
+    """Step 3 for one input: its values clamped so that, scaled by ``factor``, none exceeds ``bound`` (in its own
+    unclipped scale, so the mean's arithmetic is unchanged for everyone else); None when none does."""
+    if peak * factor <= bound:
+        return None
+    limit = bound / factor
+    return values.clamp(-limit, limit)
+
+
+def _bounded_values(values: list[torch.Tensor], peaks: list[float], factors: list[float],
                     multiple: float | None) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
     """Step 3 of the rule: each contribution with a value whose clipped magnitude exceeds :func:`value_bound`,
-    clamped to it (in its own unclipped scale, so that the mean's arithmetic is unchanged for everyone else), and
-    (index, how many values were clamped) for each such contribution."""
-    largest = [float(v.abs().max()) * f if v.numel() else 0.0 for v, f in zip(values, factors, strict=True)]
-    bound = value_bound(largest, multiple)
+    clamped to it (:func:`bounded_input`), and (index, how many values were clamped) for each such contribution."""
+    bound = value_bound([p * f for p, f in zip(peaks, factors, strict=True)], multiple)
     bounded: list[tuple[int, int]] = []
-    for i, (peak, factor) in enumerate(zip(largest, factors, strict=True)):
-        if peak > bound:
-            limit = bound / factor
-            bounded.append((i, int(values[i].abs().gt(limit).sum())))
-            values[i] = values[i].clamp(-limit, limit)
+    for i, (peak, factor) in enumerate(zip(peaks, factors, strict=True)):
+        clamped = bounded_input(values[i], peak, factor, bound)
+        if clamped is not None:
+            bounded.append((i, int(values[i].abs().gt(bound / factor).sum())))
+            values[i] = clamped
     return values, bounded

@@ -16,9 +16,10 @@ fractions. :class:`CheckedAllReduceRunner`
   senders included, the proven refusals, its claims), and finally a :class:`~template.allreduce.messages.
   ShareCertificate` in which the owner signs the digest of everything it sent;
 - decodes what every owner returns into the output vector — as zeros where the average misses the owner's own
-  claims (:mod:`template.allreduce.verification`: every member reaches the same verdict from the same bytes); a
-  share counts only once the owner's certificate over exactly its bytes verifies; keeps each verified share as
-  received (:mod:`template.allreduce.relay`) to relay it to a groupmate that missed it, and fetches any share it
+  claims (:mod:`template.allreduce.verification`: every member reaches the same verdict from the same bytes) and,
+  as a sender, checks what each owner states of its own input (:mod:`template.allreduce.disputes`); a share counts
+  only once the owner's certificate over exactly its bytes verifies; keeps each verified share as received
+  (:mod:`template.allreduce.relay`) to relay it to a groupmate that missed it, and fetches any share it
   missed itself from a groupmate that holds it (the certificate proves the relayed bytes are the owner's); keeps an
   audit of the round (:meth:`CheckedAllReduceRunner.report`): who was included in which segment, the proven
   refusals, which segments were dropped and why, the digest of every averaged segment and every owner's signed
@@ -74,6 +75,7 @@ from template.allreduce.contribution import (
     root_from_range,
     statement_bytes,
 )
+from template.allreduce.disputes import OwnInputCheck
 from template.allreduce.evidence import AllReduceEvidence, AllReduceReport, OwnerCertificate, SegmentRecord
 from template.allreduce.messages import (
     AveragedSegment,
@@ -103,7 +105,6 @@ logger = logging.getLogger(__name__)
 
 class NotInGroupError(AllreduceException):
     """An owner answered our segments that our group is not one of its groups."""
-
 
 
 class CheckedAllReduceRunner:
@@ -155,12 +156,16 @@ class CheckedAllReduceRunner:
         self.my_range = self.ranges[self.my_index]
         weight_by_peer = dict(zip(self.ordered_peer_ids, announced_weights, strict=True))
         context = round_context(terms.scope, terms.round, group_id)
+        left_out = rule.left_out(self.ordered_peer_ids, self.sender_peer_ids)  # disputes.py: every claim checked
         self.reducer = SegmentReducer([layout.numel_of(k) for k in range(*self.my_range)],
                                       [str(p) for p in self.sender_peer_ids],
                                       [weight_by_peer[p] for p in self.sender_peer_ids], terms.codec, rule,
-                                      [segment_context(context, k) for k in range(*self.my_range)])
+                                      [segment_context(context, k) for k in range(*self.my_range)],
+                                      None if left_out is None else left_out[self.my_index])
+        own_check = OwnInputCheck(terms.codec, rule, self.sender_peer_ids.index(self.peer_id), own.segments,
+                                  self.my_range, terms.faults.dispute) if self.is_sender else None
         self.check = SegmentCheck(terms.codec, context, [None if w is None else min(w, self.reducer.weight_cap)
-                                                         for w in self.reducer.announced_weights])
+                                                         for w in self.reducer.announced_weights], own_check, left_out)
         # ``output``: where the averages go (the averager lends the same buffer every round: a fresh 40 MB block for
         # 10M values costs ~17 ms of page faults). Never zeroed: only a registered segment is ever read, and the
         # averager copies the output only when every segment is.
@@ -170,7 +175,7 @@ class CheckedAllReduceRunner:
         self.output = output
         self.registered = [False] * layout.count  # which segments of the output hold a verified average
         self.evidence = AllReduceEvidence(senders=tuple(str(p) for p in self.sender_peer_ids),
-                                          ranges=tuple(tuple(r) for r in self.ranges))
+                                          ranges=tuple(tuple(r) for r in self.ranges), left_out=left_out or ())
         self.owns_segments = self.my_range[1] > self.my_range[0]
         self.roster = GroupRoster(self.peer_id, self.ordered_peer_ids, self.sender_peer_ids,
                                   owns_segments=self.owns_segments, on_banned=self.reducer.on_sender_failed)
@@ -248,8 +253,11 @@ class CheckedAllReduceRunner:
     def _register(self, owner: int, segment: int, averaged: AveragedSegment, admitted: Admitted) -> None:
         """A segment whose average is written and certified: it counts, and is recorded as evidence."""
         self.registered[segment] = True
+        # what the owner stated of each input: an auxiliary (validator) judges disputes by it (base/audit.py)
+        statements = () if self.is_sender else tuple(map(averaged.statement, range(len(averaged.included))))
         self.evidence.segments[segment] = SegmentRecord(owner, tuple(averaged.included), admitted.digest,
-                                                        averaged.refusals, admitted.refuted)
+                                                        averaged.refusals, admitted.refuted, admitted.disputed,
+                                                        statements)
 
     def _check_certificate(self, owner: int, certificate: ShareCertificate, received: list[bytes]) -> None:
         """The owner's signature must cover exactly the packed segments we received, and our commitments."""
@@ -372,7 +380,7 @@ class CheckedAllReduceRunner:
             self.kept.keep(sender, segment, self.own.segments[segment])
             contribution = Contribution(sender, SegmentInput(sender, self.own.segments[segment], self.weight))
             result = await self.reducer.accumulate(contribution, offset)
-            averaged = self.terms.told(self.my_index, segment, result.averaged, result.decoded, self.check)
+            averaged = self.terms.told(self.my_index, segment, result, self.check, self.kept)
             honest = averaged is result.averaged  # else AllReduceFaults told a lie: check it as every member does
             drawn, result.drawn = result.drawn, None  # needed once, here; the reducer keeps its results all round
             admitted = await asyncio.get_event_loop().run_in_executor(
@@ -505,7 +513,7 @@ class CheckedAllReduceRunner:
                         excluded = True
                 if excluded:  # an auxiliary's messages are placeholders; so are a banned sender's from now on
                     result = await reducer.result(offset)
-                averaged = self.terms.told(receiver, start + offset, result.averaged, result.decoded, self.check)
+                averaged = self.terms.told(receiver, start + offset, result, self.check, self.kept)
                 packed = averaged.pack(len(self.sender_peer_ids))
                 sent.append(packed)
                 offset += 1
@@ -538,7 +546,7 @@ class CheckedAllReduceRunner:
             logger.warning("sender %d's segment %d is malformed: %s", sender, segment, err)
             return Contribution(sender, None)
         leaf = leaf_digest(parsed.data)
-        victim = self.terms.faults.frame and sender == self._framed_sender()
+        victim = self.terms.faults.framed(sender, self.sender_peer_ids, self.peer_id)
         if leaf == self.kept.leaf(sender, segment) and not victim:
             self.kept.keep(sender, segment, parsed.data)
             return Contribution(sender, SegmentInput(sender, parsed.data, message.weight))
@@ -550,10 +558,6 @@ class CheckedAllReduceRunner:
         logger.warning("sender %d's segment %d does not match its committed leaf (%s)", sender, segment,
                        "signed by the sender" if proven else "unsigned")
         return Contribution(sender, None, Refusal(sender, leaf, parsed.signature) if proven else None)
-
-    def _framed_sender(self) -> int | None:
-        others = [s for s, p in enumerate(self.sender_peer_ids) if p != self.peer_id]
-        return others[0] if others else None
 
     def _check_reasons_to_reject(self, request, context) -> averaging_pb2.AveragingData | None:
         if request.group_id != self.group_id:
@@ -576,14 +580,12 @@ class CheckedAllReduceRunner:
         failed = [k for k in range(layout.count) if not self.registered[k]]
         absent_ranges = [self.ranges[i] for i, p in enumerate(self.ordered_peer_ids) if p in self.roster.absent]
         return AllReduceReport(
-            group_id=self.group_id, evidence=self.evidence,
-            values_total=layout.numel,
+            group_id=self.group_id, evidence=self.evidence, values_total=layout.numel,
             values_failed=sum(layout.numel_of(k) for k in failed),
             segments_expected=reducer.num_segments * reducer.num_senders,
             segments_received=reducer.segments_received,
             dropped=list(reducer.dropped), clipped=list(reducer.clipped),
-            bytes_sent=self.bytes_sent,
-            bytes_received=self.bytes_received,
+            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
             inputs=self.kept.snapshot() if self.owns_segments else None,
             absent=tuple(str(p) for p in self.ordered_peer_ids if p in self.roster.absent),
             lost_to_absent=bool(failed) and all(any(a <= k < b for a, b in absent_ranges) for k in failed),

@@ -74,11 +74,13 @@ class SegmentReducer:
         codec: SegmentCodec,
         rule: OwnerRule,
         claims_contexts: Sequence[bytes] | None = None,
+        left_out: int | None = None,
     ):
         """``claims_contexts``: per segment, what its claims are drawn from (None: no claims, as in tests of the
-        rule alone)."""
+        rule alone); ``left_out``: the sender whose input is not averaged (the owner's own, when the rule says so:
+        :meth:`template.allreduce.reduction.OwnerRule.leaves_out_owner`)."""
         self.segment_numels, self.num_segments = tuple(segment_numels), len(segment_numels)
-        self.claims_contexts = claims_contexts
+        self.claims_contexts, self.left_out = claims_contexts, left_out
         self.sender_names, self.num_senders = tuple(sender_names), len(sender_names)
         self.announced_weights, self.codec, self.rule = tuple(announced_weights), codec, rule
         # the same for every owner (everyone sees the same announced weights), so every segment is weighted alike
@@ -165,7 +167,7 @@ class SegmentReducer:
 
     def _reduce(self, segment: int, contributions: list[Contribution]) -> SegmentResult:
         """Runs in a worker thread: torch releases the GIL, the event loop keeps streaming."""
-        inputs = [c.segment for c in contributions if c.segment is not None]
+        inputs = [c.segment for c in contributions if c.segment is not None and c.sender != self.left_out]
         refusals = tuple(c.refusal for c in contributions if c.refusal is not None)
         try:
             reduced = reduce_segment(inputs, self.segment_numels[segment], self.codec, self.announced_weights,
@@ -185,8 +187,9 @@ class SegmentReducer:
         decoded = self.codec.decode_average(reduced.data, self.segment_numels[segment])
         if not all_finite(decoded):
             raise AllreduceException("the average is not finite")
+        stated = (reduced.norms, reduced.peaks) if reduced.claims and not self.codec.mean_of_kept else ((), ())
         return SegmentResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals,
-                                             reduced.claims), decoded, reduced.drawn)
+                                             reduced.claims, *stated), decoded, reduced.drawn)
 
     def finalize(self) -> None:
         if self.finished.is_set():

@@ -12,8 +12,6 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from template.allreduce.codecs import SegmentCodec
 from template.allreduce.contribution import (
     Commitment,
@@ -24,7 +22,10 @@ from template.allreduce.contribution import (
     segment_count,
     statement_bytes,
 )
+from template.allreduce.disputes import true_statement
 from template.allreduce.messages import AveragedSegment
+from template.allreduce.owner_inputs import InputKeeper
+from template.allreduce.segment_reducer import SegmentResult
 from template.allreduce.verification import SegmentCheck, projections
 
 __all__ = ["AllReduceFaults", "OwnContribution", "RoundTerms", "SegmentLayout"]
@@ -76,9 +77,12 @@ class AllReduceFaults:
     ``corrupt_segments``: send segment bytes other than the committed ones, with signed statements of them (an
     equivocator: its refusals carry proof). ``lie``: as an owner, return a wrong average (the negated one) to
     ``"all"`` members or to ``"some"`` (every other member), signing what it sends; ``"forged"``: to all, with claims
-    forged to fit it (each input claimed to project like the average itself), which the in-round check cannot tell
-    from honest ones — the limit that only the validator's recomputation closes today. ``frame``: as an owner,
-    refuse the first other sender's segments claiming a mismatch, with a forged "proof". ``withhold_from``: as an
+    forged to fit it (each input claimed to project like the average itself: each sender disputes its own);
+    ``"forged-own"``: to all, with only the claim of its own input forged to fit (the one no other member can
+    check: it passes the round below ``OwnerRule.own_input_min_senders``; from there the owner's input is not in the
+    average and the first sender's claim takes the lie, which that sender disputes). ``frame``: as an owner,
+    refuse the first other sender's segments claiming a mismatch, with a forged "proof". ``dispute``: as a sender,
+    dispute every other owner's (true) statement of our input. ``withhold_from``: as an
     owner, send the member with that peer id nothing back (a transfer lost on the way: the member must fetch the
     share elsewhere, the owner's relay included). ``relays=False``: serve no share to a groupmate that missed one,
     not even our own (with ``withhold_from``: an owner that withholds its share both ways). ``start_late_s``: open
@@ -93,15 +97,21 @@ class AllReduceFaults:
     corrupt_segments: bool = False
     lie: str | None = None
     frame: bool = False
+    dispute: bool = False
     withhold_from: str | None = None  # a member's peer id (base58)
     relays: bool = True
     start_late_s: float = 0.0
     begin_late_s: float = 0.0
     answer_late_s: float = 0.0
 
+    def framed(self, sender: int, senders: Sequence, me: object) -> bool:
+        """``frame``: whether to refuse ``sender``'s segments, the first of ``senders`` other than ``me``."""
+        others = [s for s, peer in enumerate(senders) if peer != me]
+        return self.frame and bool(others) and sender == others[0]
+
     def __post_init__(self) -> None:
-        if self.lie not in (None, "all", "some", "forged"):
-            raise ValueError("lie must be None, 'all', 'some' or 'forged'")
+        if self.lie not in (None, "all", "some", "forged", "forged-own"):
+            raise ValueError("lie must be None, 'all', 'some', 'forged' or 'forged-own'")
         if min(self.start_late_s, self.begin_late_s, self.answer_late_s) < 0:
             raise ValueError("start_late_s, begin_late_s and answer_late_s must be >= 0")
 
@@ -125,20 +135,36 @@ class RoundTerms:
         statement = statement_bytes(self.scope, self.round, segment, leaf_digest(data))
         return data, self.signer.sign(statement) if self.signer is not None else b""
 
-    def told(self, receiver: int, segment: int, averaged: AveragedSegment, decoded: torch.Tensor,
-             check: SegmentCheck) -> AveragedSegment:
-        """What an owner sends ``receiver`` of ``segment`` (AllReduceFaults.lie: the negated average, with the claims
-        of the true one, to all members — itself too, a consistent liar — or to every other one; forged: with claims
-        on the directions ``check`` draws for the wrong bytes, as every member's check will)."""
-        lie = self.faults.lie
+    def told(self, receiver: int, segment: int, result: SegmentResult, check: SegmentCheck,
+             kept: InputKeeper) -> AveragedSegment:
+        """What an owner sends ``receiver`` of ``segment`` (``result``: its reduction; AllReduceFaults.lie: the
+        negated average, with the claims of the true one, to all members — itself too, a consistent liar — or to
+        every other one; forged and forged-own: with claims on the directions ``check`` draws for the wrong bytes,
+        as every member's check will; ``kept``: the inputs it accepted, which forged-own projects on them)."""
+        lie, averaged, decoded = self.faults.lie, result.averaged, result.decoded
         if lie is None or (lie == "some" and receiver % 2 == 0):
             return averaged
         data = self.codec.encode_average(-decoded)
-        if lie != "forged":
+        if lie not in ("forged", "forged-own"):
             return dataclasses.replace(averaged, data=data)
         wrong = self.codec.decode_average(data, decoded.numel())
-        fitted = tuple(float(p) for p in projections([wrong], check.directions(segment, data, wrong.numel()))[0])
-        return dataclasses.replace(averaged, data=data, claims=tuple(fitted for _ in averaged.included))
+        drawn = check.directions(segment, data, wrong.numel())
+        fitted = tuple(float(p) for p in projections([wrong], drawn)[0])
+        if lie == "forged":
+            return dataclasses.replace(averaged, data=data, claims=tuple(fitted for _ in averaged.included))
+        # forged-own: every claim true on the new directions but one, which takes the whole lie — our own input's,
+        # which no other member holds, when we are in the average; else the first sender's, which it disputes
+        assert check.own is not None, "forged-own is an owner that sends"
+        claims = [list(true_statement(self.codec, check.own.rule, averaged, i, kept.accepted(s, segment),
+                                      wrong.numel(), drawn).claims) for i, s in enumerate(averaged.included)]
+        position = averaged.included.index(check.own.sender) if check.own.sender in averaged.included else 0
+        weights = [check.weights[s] for s in averaged.included]
+        total = sum(weights)
+        for k, target in enumerate(fitted):
+            others = sum(w / total * c[k] for i, (w, c) in enumerate(zip(weights, claims, strict=True))
+                         if i != position)
+            claims[position][k] = (target - others) * total / weights[position]
+        return dataclasses.replace(averaged, data=data, claims=tuple(map(tuple, claims)))
 
     @property
     def commitments_digest(self) -> bytes:

@@ -31,9 +31,11 @@ owner projects each input scaled per value by W / K, K the weight of the senders
 (:func:`template.allreduce.reduction.kept_weight`), which makes ``m = Σ (w_i / W) f_i x'_i`` again, so members
 check those averages with the same formula, without holding the per-value weights.
 
-What it does not catch (docs/validation.md, "known limits"): an owner that lies in its claims as well — its own
-input's claim, which no other member can check, can absorb any lie; validators still convict it afterwards by
-recomputing the segment.
+What it does not catch alone: an owner that lies in its claims as well. Each sender checks the claim of its own
+input and disputes a false one (:mod:`template.allreduce.disputes`: the segment is then dropped by every member);
+what is left is the owner's own input, whose claim no other member can check — unless the rule leaves it out of its
+own segments (from ``OwnerRule.own_input_min_senders`` senders); below that, validators convict such an owner
+afterwards by recomputing the segment (docs/validation.md, "known limits").
 """
 
 from __future__ import annotations
@@ -43,12 +45,16 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from template.allreduce.codecs import CodecError, SegmentCodec, all_finite
 from template.allreduce.messages import AveragedSegment
+
+if TYPE_CHECKING:  # disputes builds on this module
+    from template.allreduce.disputes import OwnInputCheck
 
 __all__ = ["Admitted", "Directions", "SegmentCheck", "claims", "projections", "round_context", "segment_context"]
 
@@ -140,15 +146,21 @@ class Admitted:
     values: torch.Tensor  # what it writes: the decoded average, or zeros when refuted
     refuted: str  # why the average missed the owner's claims ("" when it did not)
     digest: bytes  # sha256 of the averaged bytes (the evidence's, and the directions' seed)
+    disputed: str = ""  # why the owner's statement of our own input is false (template.allreduce.disputes)
 
 
 class SegmentCheck:
     """A member's check of each averaged segment against the owner's claims (module docstring)."""
 
-    def __init__(self, codec: SegmentCodec, context: bytes, weights: Sequence[float | None]):
+    def __init__(self, codec: SegmentCodec, context: bytes, weights: Sequence[float | None],
+                 own: OwnInputCheck | None = None, left_out: Sequence[int | None] | None = None):
         """``weights``: per sender (group order), the weight an owner counts it with — the announced weight, capped
-        (:func:`template.allreduce.reduction.weight_cap`); None for a sender whose announcement was malformed."""
+        (:func:`template.allreduce.reduction.weight_cap`); None for a sender whose announcement was malformed.
+        ``own``: a sender's check of what owners state of its own input; ``left_out``: per member, its index among
+        the senders when the rule leaves each owner's own input out of its segments (an average that includes it is
+        refuted; None for an auxiliary member), else None."""
         self.codec, self.context, self.weights = codec, context, tuple(weights)
+        self.own, self.left_out = own, left_out
 
     def directions(self, segment: int, data: bytes, numel: int) -> Directions:
         """The directions every member draws for ``segment`` averaged as ``data`` (``numel`` values)."""
@@ -167,10 +179,17 @@ class SegmentCheck:
             raise CodecError(f"owner {owner}'s average is not finite")
         if drawn is None:
             drawn = self.directions(segment, averaged.data, decoded.numel())
-        if refuted := self.refutation(averaged, decoded, drawn):
+        refuted = self.refutation(averaged, decoded, drawn)
+        if not refuted and self.left_out is not None and self.left_out[owner] in averaged.included:
+            refuted = f"the average includes its owner's own input (left out from {len(self.weights)} senders)"
+        if refuted:
             logger.warning("owner %d's segment %d is dropped by every member: %s", owner, segment, refuted)
             return Admitted(torch.zeros_like(decoded), refuted, drawn.digest)
-        return Admitted(decoded, "", drawn.digest)
+        disputed = "" if self.own is None else self.own.disputed(segment, averaged, decoded.numel(), drawn)
+        if disputed:
+            logger.warning("owner %d's statement of our input in segment %d is false (%s): disputed", owner,
+                           segment, disputed)
+        return Admitted(decoded, "", drawn.digest, disputed)
 
     def refutation(self, averaged: AveragedSegment, decoded: torch.Tensor, drawn: Directions) -> str:
         """Why ``averaged`` (decoded: ``decoded``; ``drawn``: the directions of its bytes) cannot be the owner's mean

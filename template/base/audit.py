@@ -15,6 +15,9 @@ A miner's publication of round r must be *exactly* what it contributed to round 
   share, the one contribution that never crosses the wire. The same recomputation shows which senders' values the
   rule had to bound (a value beyond ``value_bound_multiple`` × the lower median of the senders' largest): such a
   sender is convicted on its own signed bytes — honest training stays far inside the bound (docs/benchmarks.md §8).
+  A segment a sender disputed in the round (:mod:`template.allreduce.disputes`) is judged by the same recomputation,
+  with the owner's claims: a wrong average or a false statement of the sender's input convicts the owner, a true
+  statement the sender. An owner that averaged its own input where the rule leaves it out is convicted too.
 
 Every accusation rests on something the accused signed (a commitment, a statement, a certificate) or on a
 deterministic recomputation from bytes its victims signed; there is no accusation on anyone's word. A sender that
@@ -48,7 +51,18 @@ from template.allreduce.contribution import (
     shaped,
     statement_bytes,
 )
-from template.allreduce.reduction import NoValidContribution, OwnerRule, SegmentInput, reduce_segment, weight_cap
+from template.allreduce.disputes import mismatch
+from template.allreduce.evidence import SegmentRecord
+from template.allreduce.messages import InputStatement
+from template.allreduce.reduction import (
+    NoValidContribution,
+    OwnerRule,
+    ReducedSegment,
+    SegmentInput,
+    reduce_segment,
+    weight_cap,
+)
+from template.allreduce.verification import round_context, segment_context
 from template.p2p.keys import verify_signature
 from template.p2p.publication import Publication
 
@@ -137,6 +151,7 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
     commitments = {peer: Commitment.from_wire(c) for peer, c in result.commitments.items()}
     announced = [result.weights.get(peer) for peer in senders]
     cap = weight_cap(announced)
+    context = round_context(scope, round, bytes.fromhex(result.group_id))
     for owner in evidence.conflicts:
         outcome.accused[members[owner]] = "signed different shares for different members of the group (its own " \
                                           "certificates)"
@@ -160,11 +175,16 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
             continue
         inputs = [SegmentInput(s, d, announced[s] or 0.0) for s, d in zip(record.included, data, strict=True)]
         numel = _segment_numel(codec, commitments, segment)
+        disputed = segment in evidence.disputes  # then the claims too: who lied, the owner or the sender?
         try:
-            expected = reduce_segment(inputs, numel, codec, announced, rule, cap)
+            expected = reduce_segment(inputs, numel, codec, announced, rule, cap,
+                                      segment_context(context, segment) if disputed else None)
         except NoValidContribution:
             expected = None
         outcome.segments_checked += 1
+        if rule.leaves_out_owner(len(senders)) and owner in senders and senders.index(owner) in record.included:
+            outcome.accused.setdefault(owner, f"averaged its own input into segment {segment} (the rule leaves it "
+                                              f"out from {rule.own_input_min_senders} senders)")
         for sender, count in expected.bounded if expected is not None else ():
             outcome.accused.setdefault(senders[sender], f"moved {count} values of segment {segment} beyond the "
                                                         f"owner's bound ({rule.value_bound_multiple} × the lower "
@@ -174,7 +194,33 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
                 or tuple(expected.included) != record.included:
             outcome.accused.setdefault(owner, f"returned a wrong average for segment {segment} (recomputed from its "
                                               "inputs as their senders signed them)")
+        elif disputed:
+            _judge_dispute(outcome, segment, record, evidence.disputes[segment][0], senders, owner, expected, codec,
+                           numel)
     return outcome
+
+
+def _judge_dispute(outcome: AuditResult, segment: int, record: SegmentRecord, disputer: int, senders: Sequence[str],
+                   owner: str, expected: ReducedSegment, codec: SegmentCodec, numel: int) -> None:
+    """Sender ``disputer`` disputed what the owner of ``segment`` stated of its input, and the owner's average is
+    right (``expected``: recomputed with its claims, on the directions of the very bytes the owner sent): the owner
+    is convicted when its statement was false, the sender when it was true (template.allreduce.disputes)."""
+    position = record.included.index(disputer)
+    said = record.statements[position] if len(record.statements) == len(record.included) else None
+    if said is None and codec.mean_of_kept:  # no statement to check there: its senders do not dispute
+        why = "none is made for its codec"
+    elif said is None:
+        outcome.accused.setdefault(owner, f"stated nothing of {senders[disputer]}'s input in segment {segment}")
+        return
+    else:
+        true = InputStatement(expected.norms[position], expected.peaks[position], expected.claims[position])
+        if wrong := mismatch(said, true, numel):
+            outcome.accused.setdefault(owner, f"misstated {senders[disputer]}'s input in segment {segment}: {wrong} "
+                                              "(recomputed from its signed inputs)")
+            return
+        why = "it was true (recomputed from the signed inputs)"
+    outcome.accused.setdefault(senders[disputer], f"disputed {owner}'s statement of its input in segment {segment}; "
+                                                  f"{why}")
 
 
 def _input(published: Mapping[str, Sequence[bytes]], served: Mapping[str, Mapping[int, bytes]], sender: str,

@@ -253,9 +253,12 @@ def test_auxiliary_peer_receives_the_same_average(dhts):
     assert results[2].bytes_received >= sum(s.numel() for s in SHAPES)
 
 
+LIARS = [(codec, lie) for codec in ("fp16", "int8") for lie in (None, "all", "some", "forged")] + [
+    ("fp16", "forged-own"), ("fp16", "forged-own-left-out"), ("fp16", "dispute")]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("lie", [None, "all", "some", "forged"])
-@pytest.mark.parametrize("codec", ["fp16", "int8"])
+@pytest.mark.parametrize(("codec", "lie"), LIARS)
 def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owner(dhts, codec, lie):
     """Two contributors and an auxiliary (the validator's view). Honest owners: the validator recomputes every
     averaged segment bit for bit from the contributions (what the publications carry) and convicts nobody, and no
@@ -264,15 +267,21 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
     included, holds the correct average with the liar's segments zero (nothing of the lie reaches θ) — and the
     recomputation convicts that owner. An owner that lies to only some: the members' signed certificates conflict,
     every member refuses the round (θ unchanged, never a mix) and the owner is convicted. An owner that negates its
-    averages and forges its claims to fit them: the in-round check cannot tell (issue 20's open limit: no member
-    holds the owner's own input, nor checks what is claimed about its own) — every member applies the lie alike —
-    and only the recomputation convicts it.
+    averages and forges every claim to fit them: the other sender disputes the claim of its own input, every member
+    drops the liar's segments alike, and the recomputation convicts it. One that forges only the claim of its own
+    input (the one no other member holds): below ``own_input_min_senders`` the in-round check cannot tell (issue
+    20's open limit) — every member applies the lie alike — and only the recomputation convicts it; from there
+    (``-left-out``: set to 2 here) each owner averages without its own input, so the lie must go into the other
+    sender's claim, which that sender disputes: dropped as above. A sender that disputes an honest owner's true
+    statements (``dispute``): that owner's segments are dropped by every member alike, and the validator convicts
+    the sender, never the owner.
     (This test found auxiliaries computing other segment ranges than the senders: template/allreduce/averager.py.)"""
-    config = fast_config(compression=codec)
+    config = fast_config(compression=codec, own_input_min_senders=2 if lie == "forged-own-left-out" else 8)
     configs = [config, config, dataclasses.replace(config, auxiliary=True)]
-    faults = [None, AllReduceFaults(lie=lie), None]
+    fault = AllReduceFaults(dispute=True) if lie == "dispute" else \
+        AllReduceFaults(lie=lie and lie.removesuffix("-left-out"))
     deltas = [random_deltas(0), random_deltas(1)]
-    with averagers(dhts, configs, faults=faults) as peers:
+    with averagers(dhts, configs, faults=[None, fault, None]) as peers:
         contributions = [peer.contribute(delta) for peer, delta in zip(peers, deltas, strict=False)]
         results = average_all(peers, contributions + [None], WEIGHTS[:2] + [0.0])
         ids = [peer.peer_id for peer in peers]
@@ -296,20 +305,27 @@ def test_a_validator_recomputes_every_averaged_segment_and_convicts_a_lying_owne
         assert all(r.evidence.refuted() == {} for r in results), [r.evidence.refuted() for r in results]
         assert max_error(validator.averaged, expected) <= codec_tolerance(codec, deltas)
         return
-    assert set(outcome.accused) == {ids[1]} and "wrong average" in outcome.accused[ids[1]], outcome
-    liar = list(validator.group).index(ids[1])
-    owned_by_liar = sorted(k for k, record in validator.evidence.segments.items() if record.owner == liar)
-    assert owned_by_liar, validator.evidence.ranges
+    members = list(validator.group)
+    dropped_owner = ids[0] if lie == "dispute" else ids[1]
+    why = "disputed" if lie == "dispute" else "wrong average"
+    assert set(outcome.accused) == {ids[1]} and why in outcome.accused[ids[1]], outcome
+    owned = {rank: sorted(k for k, r in validator.evidence.segments.items() if members[r.owner] == ids[rank])
+             for rank in range(2)}
+    assert owned[0] and owned[1], validator.evidence.ranges
     flat = torch.cat([t.reshape(-1) for t in expected])
-    for k in owned_by_liar:
-        flat[k * SEGMENT_VALUES:(k + 1) * SEGMENT_VALUES] *= -1.0 if lie == "forged" else 0.0  # negated, or dropped
+    if lie == "forged-own-left-out":  # each owner's segments average the other sender's input alone
+        flat = torch.cat([t.reshape(-1) for t in deltas[1]]).double()
+    lied = owned[ids.index(dropped_owner)]
+    for k in lied:
+        flat[k * SEGMENT_VALUES:(k + 1) * SEGMENT_VALUES] *= -1.0 if lie == "forged-own" else 0.0  # negated, dropped
     held = [t.reshape(shape) for t, shape in zip(flat.split([s.numel() for s in SHAPES]), SHAPES, strict=True)]
     for result in results:
-        if lie == "forged":  # the lie reaches θ: nothing in the round refutes it
+        if lie == "forged-own":  # the lie reaches θ: nothing in the round refutes it
             assert result.evidence.refuted() == {}, result.evidence.refuted()
         else:
-            assert sorted(result.evidence.refuted()) == owned_by_liar, result.evidence.refuted()
-            assert all("claims" in why for why in result.evidence.refuted().values())
+            assert sorted(result.evidence.refuted()) == lied, result.evidence.refuted()
+            cause = "claims" if lie == "all" else "disputed"
+            assert all(cause in why for why in result.evidence.refuted().values()), result.evidence.refuted()
         assert max_error(result.averaged, held) <= codec_tolerance(codec, deltas)
 
 
