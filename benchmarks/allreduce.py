@@ -14,8 +14,9 @@ per peer/rank on 127.0.0.1:
   adds the slowest peer's encoding).
 
 Reported per (peers, size, codec): median time of the repeats and its ratio to gloo's float32 time, the max
-abs error of the result vs the exact (float64) mean, whether all peers hold bit-identical results, and the bytes
-each peer sent vs the butterfly/ring bound 2(N−1)/N × size × 4 bytes. A short sweep of the codec's
+abs error of the result vs the exact (float64) mean (gloo) or the exact mean the owners' rule takes (hivemind: from
+8 senders each owner leaves its own input out of its segments), whether all peers hold bit-identical results, and
+the bytes each peer sent vs the butterfly/ring bound 2(N−1)/N × size × 4 bytes. A short sweep of the codec's
 ``segment_values`` (the unit of the butterfly) is run for the default codec on the largest default config below
 50M values.
 """
@@ -58,6 +59,22 @@ def exact_mean(world: int, repeat: int, size: int) -> torch.Tensor:
     for rank in range(world):
         total.add_(make_tensor(rank, repeat, size).to(torch.float64))
     return total.div_(world)
+
+
+def rule_mean(result: Any, repeat: int, size: int, segment_values: int) -> torch.Tensor:
+    """The exact (float64) mean the owners' rule takes of the peers' equal-weight vectors: per segment, over the
+    senders its average includes — every peer, or from ``OwnerRule.own_input_min_senders`` senders every peer but the
+    segment's owner (``result``: an ``AveragingResult`` whose group gathered each peer's rank)."""
+    total = torch.zeros(size, dtype=torch.float64)
+    count = torch.zeros(size, dtype=torch.float64)
+    for sender, peer in enumerate(result.evidence.senders):
+        vector = make_tensor(result.group[peer]["rank"], repeat, size).to(torch.float64)
+        for segment, record in result.evidence.segments.items():
+            if sender in record.included:
+                start, stop = segment * segment_values, min((segment + 1) * segment_values, size)
+                total[start:stop] += vector[start:stop]
+                count[start:stop] += 1
+    return total.div_(count)
 
 
 def max_abs_error(result: torch.Tensor, expected: torch.Tensor) -> float:
@@ -202,7 +219,8 @@ def hivemind_worker(rank: int, world: int) -> None:
                     averaged = result.averaged[0]
                     fields["sha256"] = hashlib.sha256(averaged.numpy().tobytes()).hexdigest()
                     if rank == 0:
-                        fields["max_abs_error"] = max_abs_error(averaged, exact_mean(world, command["repeat"], size))
+                        expected = rule_mean(result, command["repeat"], size, codec.segment_values)
+                        fields["max_abs_error"] = max_abs_error(averaged, expected)
                 reply(**fields)
             elif kind == "teardown":
                 averager.shutdown()

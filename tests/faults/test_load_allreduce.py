@@ -1,8 +1,10 @@
 """Load: one pseudo-gradient all-reduce among 8 peers on loopback, with the parameter shapes of the ``tiny`` model.
 
 Eight DHT nodes and eight averagers (each its own process with its own p2p daemon) on this machine; all eight must
-land in one group, and every peer must end with the same bytes, equal to the token-weighted mean within the codec's
-error. The time of the all-reduce itself is printed (``-s``) for docs/reliability.md.
+land in one group, and every peer must end with the same bytes, equal to the token-weighted mean the owners' rule
+takes within the codec's error: with 8 senders (``OwnerRule.own_input_min_senders``) each owner averages its segments
+without its own input, so that every input of an average has a sender that checks its claim. The time of the
+all-reduce itself is printed (``-s``) for docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -63,11 +65,22 @@ def test_eight_peers_average_the_tiny_model_into_identical_bytes():
     assert all(r.ok for r in results), [r.reason for r in results]
     assert all(r.group_size == PEERS for r in results)
     assert len({(r.group_id, digest(r.averaged)) for r in results}) == 1, "peers must hold the same bytes"
-    total = sum(weights)
-    for k, tensor in enumerate(results[0].averaged):
-        expected = sum(w * d[k].double() for w, d in zip(weights, deltas, strict=True)) / total
-        largest = max(float(d[k].abs().max()) for d in deltas)
-        assert float((tensor.double() - expected).abs().max()) <= 2 * largest * 2.0**-11  # fp16 in, fp16 out
+    result = results[0]
+    averaged = torch.cat([t.reshape(-1) for t in result.averaged]).double()
+    flats = [torch.cat([t.reshape(-1) for t in d]).double() for d in deltas]
+    members, evidence = list(result.group), result.evidence
+    peer_of = [result.group[peer]["peer"] for peer in evidence.senders]
+    segment_values = averagers[0].codec.segment_values
+    assert len(evidence.segments) == -(-averaged.numel() // segment_values)
+    for segment, record in evidence.segments.items():
+        owner = evidence.senders.index(members[record.owner])
+        assert record.included == tuple(s for s in range(PEERS) if s != owner), (segment, record.included, owner)
+        start, stop = segment * segment_values, min((segment + 1) * segment_values, averaged.numel())
+        peers = [peer_of[s] for s in record.included]
+        expected = sum(weights[p] * flats[p][start:stop] for p in peers) / sum(weights[p] for p in peers)
+        largest = max(float(flats[p][start:stop].abs().max()) for p in peers)
+        assert float((averaged[start:stop] - expected).abs().max()) <= 2 * largest * 2.0**-11  # fp16 in, fp16 out
+    assert all(coverage == 1.0 for coverage in result.coverage.values()), result.coverage  # left out, not lost
     seconds = max(r.seconds for r in results)
     values = sum(shape.numel() for shape in shapes)
     print(f"\n8-peer all-reduce of {values} values (fp16): {seconds:.2f} s, "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from template.allreduce.disputes import OwnInputCheck, mismatch
-from template.allreduce.evidence import SegmentRecord
+from template.allreduce.evidence import AllReduceEvidence, SegmentRecord
 from template.allreduce.messages import AveragedSegment, InputStatement, MessageError
 from template.allreduce.reduction import OwnerRule, SegmentInput, reduce_segment, weight_cap
 from template.allreduce.verification import SegmentCheck, segment_context
@@ -152,3 +152,11 @@ def test_a_validator_convicts_the_sender_of_a_false_dispute_and_the_owner_of_a_f
                    codec, NUMEL)
     assert set(outcome.accused) == {"alice"} and "misstated bob's input" in outcome.accused["alice"]
     assert mismatch(true[1], true[1], NUMEL) == "" and mismatch(false[1], true[1], NUMEL) != ""
+
+
+def test_an_owner_whose_input_the_rule_left_out_of_its_segments_is_still_covered_by_them():
+    segments = {0: SegmentRecord(0, (1,), b""), 1: SegmentRecord(1, (0,), b""), 2: SegmentRecord(1, (), b"")}
+    evidence = AllReduceEvidence(senders=("a", "b"), ranges=((0, 1), (1, 3)), segments=segments)
+    assert evidence.coverage() == {"a": 1 / 3, "b": 1 / 3}  # the rule did not apply: only inclusion counts
+    evidence.left_out = (0, 1)
+    assert evidence.coverage() == {"a": 2 / 3, "b": 1.0}
