@@ -3,8 +3,11 @@
 Eight DHT nodes and eight averagers (each its own process with its own p2p daemon) on this machine; all eight must
 land in one group, and every peer must end with the same bytes, equal to the token-weighted mean the owners' rule
 takes within the codec's error: with 8 senders (``OwnerRule.own_input_min_senders``) each owner averages its segments
-without its own input, so that every input of an average has a sender that checks its claim. The time of the
-all-reduce itself is printed (``-s``) for docs/reliability.md.
+without its own input, so that every input of an average has a sender that checks its claim. One of the eight returns
+the negated average of its segments with every claim true but one, forged to fit (``AllReduceFaults(lie=
+"forged-own")``: below 8 senders its own input's claim takes the lie and passes; here it must be another sender's):
+that sender disputes it, and every peer writes the liar's segments as zeros. The time of the all-reduce itself is
+printed (``-s``) for docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import pytest
 import torch
 
 from template.allreduce.averager import AveragingConfig, PseudoGradientAverager
+from template.allreduce.terms import AllReduceFaults
 from template.p2p.dht import DHTConfig, start_dht, visible_maddrs
 from template.training.model import build_model
 
 PEERS = 8
+LIAR = 3  # the peer that lies as an owner
 
 
 def digest(tensors) -> str:
@@ -29,7 +34,7 @@ def digest(tensors) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_eight_peers_average_the_tiny_model_into_identical_bytes():
+def test_eight_peers_average_the_tiny_model_into_identical_bytes_and_drop_a_forging_owners_segments():
     shapes = [p.shape for p in build_model("tiny", vocab_size=257, seq_len=64).parameters()]
     config = AveragingConfig(prefix=f"load{uuid.uuid4().hex[:10]}", target_group_size=PEERS, min_group_size=PEERS,
                              matchmaking_time=8.0, request_timeout=3.0, allreduce_timeout=120.0,
@@ -46,8 +51,10 @@ def test_eight_peers_average_the_tiny_model_into_identical_bytes():
         # one after another: hivemind starts its processes from the main thread only
         for _ in range(PEERS - 1):
             nodes.append(start_dht(DHTConfig(initial_peers=visible_maddrs(first))))
-        for node in nodes:
-            averagers.append(PseudoGradientAverager(node, shapes, config))
+        for i, node in enumerate(nodes):
+            faults = AllReduceFaults(lie="forged-own") if i == LIAR else None
+            averagers.append(PseudoGradientAverager(node, shapes, config, faults=faults))
+        liar_id = averagers[LIAR].peer_id
         scheduled = time.time() + config.matchmaking_time
         deadline = scheduled + config.allreduce_timeout
         triples = enumerate(zip(averagers, deltas, weights, strict=True))
@@ -72,10 +79,15 @@ def test_eight_peers_average_the_tiny_model_into_identical_bytes():
     peer_of = [result.group[peer]["peer"] for peer in evidence.senders]
     segment_values = averagers[0].codec.segment_values
     assert len(evidence.segments) == -(-averaged.numel() // segment_values)
+    liar = evidence.senders.index(liar_id)
     for segment, record in evidence.segments.items():
         owner = evidence.senders.index(members[record.owner])
         assert record.included == tuple(s for s in range(PEERS) if s != owner), (segment, record.included, owner)
         start, stop = segment * segment_values, min((segment + 1) * segment_values, averaged.numel())
+        if owner == liar:
+            assert "disputed" in record.refuted and not averaged[start:stop].any(), (segment, record.refuted)
+            continue
+        assert record.refuted == "", (segment, record.refuted)
         peers = [peer_of[s] for s in record.included]
         expected = sum(weights[p] * flats[p][start:stop] for p in peers) / sum(weights[p] for p in peers)
         largest = max(float(flats[p][start:stop].abs().max()) for p in peers)
