@@ -42,7 +42,7 @@ from template.allreduce.reduction import (
 )
 from template.allreduce.verification import Directions, claims
 
-__all__ = ["OwnInputCheck", "dispute_bytes", "mismatch"]
+__all__ = ["OwnInputCheck", "dispute_bytes", "mismatch", "true_statement"]
 
 NORM_REL_TOLERANCE = 1e-9  # float64 norms of the same values: equal up to the summation order of another machine
 CLAIM_TOLERANCE = 1e-9  # × √n × the input's norm (|⟨x, z⟩| ≤ √n‖x‖₂): far above float64's error, far below a lie
