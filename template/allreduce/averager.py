@@ -72,7 +72,7 @@ from template.allreduce.contribution import (
     shaped,
     sign_statements,
 )
-from template.allreduce.disputes import dispute_bytes
+from template.allreduce.disputes import counted_disputes, dispute_bytes
 from template.allreduce.evidence import AllReduceEvidence, AllReduceReport
 from template.allreduce.owner_inputs import OwnerInputs
 from template.allreduce.reduction import OwnerRule
@@ -420,9 +420,11 @@ class PseudoGradientAverager:
                 for segment, record in evidence.segments.items() if record.disputed}
 
     def _drop_disputed(self, flat: torch.Tensor, evidence: AllReduceEvidence) -> None:
-        """Zeros over every disputed segment that is not refuted already, and why in its record: no step there, on
-        every member that read the dispute (template.allreduce.disputes)."""
-        for segment, (sender, _) in sorted(evidence.disputes.items()):
+        """Zeros over every segment whose dispute counts and that is not refuted already, and why in its record: no
+        step there, on every member that read the dispute (template.allreduce.disputes)."""
+        owner_of = {segment: record.owner for segment, record in evidence.segments.items()}
+        counted = counted_disputes(((d.segment, d.sender) for d in evidence.disputes), owner_of)
+        for segment, sender in counted.items():
             record = evidence.segments[segment]
             if not record.refuted:
                 start, stop = self.buffer.layout.values(segment, segment + 1)

@@ -6,7 +6,8 @@ input (:mod:`template.allreduce.disputes`), and reads the others' until every me
 passed, or the caller's deadline. Two *validly signed* certificates of one owner that differ prove that it sent
 different members different bytes (or averaged against other commitments): every member that sees them refuses the
 round, and the owner is named. A validly signed dispute of a segment by a sender that the segment includes drops
-that segment on every member that reads it (zeros, as a refuted one); who lied is judged by validators afterwards.
+that segment on every member that reads it (zeros, as a refuted one), unless its sender disputes more owners than
+one (:func:`template.allreduce.disputes.counted_disputes`); who lied is judged by validators afterwards.
 A claim or dispute that does not verify is ignored, so nobody can frame an owner or a sender here.
 
 What happens when a peer disappears: a member that never posts is simply not waited for past the confirmation time;
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import hivemind
@@ -28,7 +29,7 @@ from hivemind.utils import get_dht_time
 
 from template.allreduce.contribution import Verifier
 from template.allreduce.disputes import dispute_bytes
-from template.allreduce.evidence import AllReduceEvidence
+from template.allreduce.evidence import AllReduceEvidence, Dispute
 from template.allreduce.messages import certificate_bytes
 
 __all__ = ["Confirmation", "confirm_shares"]
@@ -43,10 +44,10 @@ CONFIRMATION_FIRST_POLL_S = 0.01  # the first pause; each next one doubles up to
 @dataclass(frozen=True)
 class Confirmation:
     """What the members' records showed: owners with two different valid certificates (member indices), and the
-    validly signed disputes (segment -> (sender index, its signature))."""
+    validly signed disputes, ordered by segment and sender."""
 
     conflicts: tuple[int, ...] = ()
-    disputes: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    disputes: tuple[Dispute, ...] = ()
 
 
 def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllReduceEvidence, group_id: bytes,
@@ -70,7 +71,7 @@ def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllRe
         found = dht.get(key, latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         seen: dict[int, set[tuple[str, str]]] = {}
-        disputed: dict[int, tuple[int, bytes]] = {}
+        disputed: list[Dispute] = []
         for poster, entry in entries.items():
             record = getattr(entry, "value", None)
             record = record if isinstance(record, dict) else {}
@@ -80,18 +81,19 @@ def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllRe
                 if index is not None:
                     seen.setdefault(index, set()).add((claim[0], claim[1]))
             for segment, signature in (posted.items() if isinstance(posted, dict) else []):
-                found_dispute = _valid_dispute(poster, segment, signature, keys, evidence, terms, group_id, verify)
-                if found_dispute is not None:
-                    disputed.setdefault(found_dispute[0], found_dispute[1:])
+                dispute = _valid_dispute(poster, segment, signature, keys, evidence, terms, group_id, verify)
+                if dispute is not None:
+                    disputed.append(dispute)
         conflicts = tuple(sorted(owner for owner, claims in seen.items() if len(claims) > 1))
+        disputes = tuple(sorted(disputed, key=lambda d: (d.segment, d.sender)))
         if conflicts:
             logger.warning("owners %s signed different shares for different members: round refused", list(conflicts))
-            return Confirmation(conflicts, disputed)
+            return Confirmation(conflicts, disputes)
         if len(entries) >= len(gathered) or time.time() >= until:
-            if disputed:
-                logger.warning("senders disputed the owners' statements of their inputs in segments %s: dropped",
-                               sorted(disputed))
-            return Confirmation((), disputed)
+            if disputes:
+                logger.warning("senders disputed the owners' statements of their inputs: %s",
+                               [(d.segment, d.sender) for d in disputes])
+            return Confirmation((), disputes)
         time.sleep(pause)
         pause = min(2 * pause, CONFIRMATION_POLL_S)
 
@@ -107,10 +109,10 @@ def _signing_keys(evidence: AllReduceEvidence, gathered: Mapping[str, Any]) -> d
 
 
 def _valid_dispute(poster: Any, segment: Any, signature: Any, keys: dict[str, str], evidence: AllReduceEvidence,
-                   terms: Mapping[str, Any], group_id: bytes, verify: Verifier) -> tuple[int, int, bytes] | None:
-    """(segment, sender index, signature) when ``signature`` (hex) is the valid dispute, by the sender that posted
-    it (``poster``: the record's subkey, its peer id), of ``segment`` as we received it, and the segment includes
-    that sender; None otherwise. Anyone may post under any subkey: the signature is what counts."""
+                   terms: Mapping[str, Any], group_id: bytes, verify: Verifier) -> Dispute | None:
+    """The dispute when ``signature`` (hex) is the valid dispute, by the sender that posted it (``poster``: the
+    record's subkey, its peer id), of ``segment`` as we received it, and the segment includes that sender; None
+    otherwise. Anyone may post under any subkey: the signature is what counts."""
     try:
         index, signature = int(segment), bytes.fromhex(signature)
         record = evidence.segments[index]
@@ -121,7 +123,7 @@ def _valid_dispute(poster: Any, segment: Any, signature: Any, keys: dict[str, st
     key = keys.get(poster)
     if key is None or sender not in record.included or not verify(key, message, signature):
         return None
-    return index, sender, signature
+    return Dispute(index, sender, signature)
 
 
 def _valid_certificate(owner: Any, claim: Any, keys: dict[int, str], evidence: AllReduceEvidence,

@@ -12,7 +12,8 @@ signs it (:func:`dispute_bytes`) and posts it with the members' confirmation
 as zeros — the same verdict everywhere, as a refuted segment.
 
 Who pays: a dispute cannot be judged in the round (only the owner and the sender hold the input), so a segment is
-dropped on any signed dispute, and the validator judges it afterwards from the signed inputs it recomputes the
+dropped on a signed dispute — of a sender that disputes one owner only that round (:func:`counted_disputes`) — and
+the validator judges it afterwards from the signed inputs it recomputes the
 segment from (:func:`template.base.audit.audit_allreduce`): the owner when its statement was false, the sender when
 it was true — a sender cannot frame an owner, only lose its pay (and that segment's step) trying.
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from template.allreduce.codecs import CodecError, SegmentCodec
 from template.allreduce.messages import AveragedSegment, InputStatement
@@ -42,8 +43,12 @@ from template.allreduce.reduction import (
 )
 from template.allreduce.verification import Directions, claims
 
-__all__ = ["OwnInputCheck", "dispute_bytes", "mismatch", "true_statement"]
+__all__ = ["OwnInputCheck", "counted_disputes", "dispute_bytes", "mismatch", "true_statement"]
 
+# a sender's disputes count only while they name the segments of at most this many owners in one round: a sender
+# whose input two owners misstate is met only by owners that collude, and a false disputer could otherwise drop every
+# other owner's segments each round (measured: 11 of 15 segments of every round on a local network of 4 miners)
+MAX_OWNERS_DISPUTED = 1
 NORM_REL_TOLERANCE = 1e-9  # float64 norms of the same values: equal up to the summation order of another machine
 CLAIM_TOLERANCE = 1e-9  # × √n × the input's norm (|⟨x, z⟩| ≤ √n‖x‖₂): far above float64's error, far below a lie
 _DISPUTE = b"diloco/claim-dispute/v1\x00"
@@ -113,3 +118,18 @@ def dispute_bytes(scope: str, round: int, group_id: bytes, segment: int, digest:
     encoded = scope.encode()
     return b"".join((_DISPUTE, struct.pack("<H", len(encoded)), encoded, struct.pack("<Q", round),
                      struct.pack("<H", len(group_id)), group_id, struct.pack("<Q", segment), digest))
+
+
+def counted_disputes(disputes: Iterable[tuple[int, int]], owner_of: Mapping[int, int]) -> dict[int, int]:
+    """segment -> the sender whose dispute drops it, from (segment, sender) pairs and each segment's owner: a sender
+    that disputes the segments of more than :data:`MAX_OWNERS_DISPUTED` owners counts for none; of the rest, the
+    lowest sender per segment. The same pairs give every member the same segments."""
+    pairs = sorted(set(disputes))
+    owners: dict[int, set[int]] = {}
+    for segment, sender in pairs:
+        owners.setdefault(sender, set()).add(owner_of[segment])
+    counted: dict[int, int] = {}
+    for segment, sender in pairs:
+        if len(owners[sender]) <= MAX_OWNERS_DISPUTED:
+            counted.setdefault(segment, sender)
+    return counted

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from template.allreduce.messages import InputStatement, Refusal
 from template.allreduce.owner_inputs import OwnerInputs
 
-__all__ = ["AllReduceEvidence", "AllReduceReport", "OwnerCertificate", "SegmentRecord"]
+__all__ = ["AllReduceEvidence", "AllReduceReport", "Dispute", "OwnerCertificate", "SegmentRecord"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,15 @@ class SegmentRecord:
     refuted: str = ""  # why the average missed the owner's claims: dropped (zeros in θ's step), by every member alike
     disputed: str = ""  # why this member, a sender, disputes the owner's statement of its input (disputes.py)
     statements: tuple[InputStatement | None, ...] = ()  # per included sender, what the owner stated (auxiliaries)
+
+
+@dataclass(frozen=True)
+class Dispute:
+    """A sender's valid signed dispute of what the owner of ``segment`` stated of its input (disputes.py)."""
+
+    segment: int
+    sender: int  # sender index
+    signature: bytes
 
 
 @dataclass(frozen=True)
@@ -58,9 +67,9 @@ class AllReduceEvidence:
     certificates: dict[int, OwnerCertificate] = field(default_factory=dict)  # owner (member index) -> certificate
     failed_owners: dict[str, str] = field(default_factory=dict)  # owner peer id -> why its share failed here
     conflicts: tuple[int, ...] = ()  # owners that signed different shares for different members (confirmation)
-    # segment -> (sender index, its signature): senders' signed disputes of the owner's statement of their input
-    # (confirmation); each such segment is dropped (zeros) by every member that read it
-    disputes: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    # every valid signed dispute the members posted (confirmation), in order; the segments of those that count
+    # (template.allreduce.disputes.counted_disputes) are dropped (zeros) by every member that read them
+    disputes: tuple[Dispute, ...] = ()
     recovered: dict[int, str] = field(default_factory=dict)  # owner -> the member that relayed its share to us
     # per member, its sender index when the rule left each owner's own input out of its segments (reduction.
     # OwnerRule.own_input_min_senders), else (): such a segment still counts as covering its owner

@@ -175,10 +175,10 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
             continue
         inputs = [SegmentInput(s, d, announced[s] or 0.0) for s, d in zip(record.included, data, strict=True)]
         numel = _segment_numel(codec, commitments, segment)
-        disputed = segment in evidence.disputes  # then the claims too: who lied, the owner or the sender?
+        disputers = [d.sender for d in evidence.disputes if d.segment == segment]  # who lied, owner or sender?
         try:
             expected = reduce_segment(inputs, numel, codec, announced, rule, cap,
-                                      segment_context(context, segment) if disputed else None)
+                                      segment_context(context, segment) if disputers else None)
         except NoValidContribution:
             expected = None
         outcome.segments_checked += 1
@@ -194,9 +194,9 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
                 or tuple(expected.included) != record.included:
             outcome.accused.setdefault(owner, f"returned a wrong average for segment {segment} (recomputed from its "
                                               "inputs as their senders signed them)")
-        elif disputed:
-            _judge_dispute(outcome, segment, record, evidence.disputes[segment][0], senders, owner, expected, codec,
-                           numel)
+        else:
+            for disputer in disputers:
+                _judge_dispute(outcome, segment, record, disputer, senders, owner, expected, codec, numel)
     return outcome
 
 

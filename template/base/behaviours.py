@@ -24,6 +24,10 @@ attacks or training strategies (``--miner.behaviour my_module:MyBehaviour``, a s
 | equivocator    | its assigned windows             | segments other than those it committed | what it committed      |
 | liar-reducer   | its assigned windows             | its Δ; as an owner, wrong averages     | what it contributed    |
 | framer         | its assigned windows             | its Δ; as an owner, refuses a sender   | what it contributed    |
+| liar-reducer-forged | its assigned windows        | its Δ; as an owner, wrong averages     | what it contributed    |
+|                |                                  | and one claim forged to fit them       |                        |
+| false-disputer | its assigned windows             | its Δ; disputes owners' true statements | what it contributed   |
+|                |                                  | of its input                           |                        |
 | concentrated   | its assigned windows             | its Δ with ``share`` (0.5) of its norm  | what it contributed    |
 |                |                                  | moved into ``values`` (8) coordinates  |                        |
 
@@ -345,6 +349,22 @@ class Framer(MinerBehaviour):
     allreduce_faults = AllReduceFaults(frame=True)
 
 
+class ForgingLiarReducer(MinerBehaviour):
+    """As an owner, returns the negated average to every member with every claim true but one, forged to fit: its own
+    input's (which no other member holds) below 8 senders, another sender's from there (which that sender disputes)."""
+
+    name = "liar-reducer-forged"
+    allreduce_faults = AllReduceFaults(lie="forged-own")
+
+
+class FalseDisputer(MinerBehaviour):
+    """Trains and contributes honestly; as a sender, disputes every other owner's (true) statement of its input, so
+    that every member drops those segments (the validator convicts it, never the owner)."""
+
+    name = "false-disputer"
+    allreduce_faults = AllReduceFaults(dispute=True)
+
+
 class Concentrated(MinerBehaviour):
     """Trains honestly, then moves ``share`` of its Δ's squared norm into ``values`` coordinates of its largest tensor
     — the same coordinates, pushed the same way, every round — and scales the rest down so that the total norm stays
@@ -370,7 +390,8 @@ class Concentrated(MinerBehaviour):
 
 BUILTIN = {cls.name: cls for cls in (Honest, FreeRider, Noise, Scaled, Stale, Replayer, Overfitter, Copycat,
                                       NoisyAverage, StaleAverage, Partial, TwoFaced, TwoFacedZero, Equivocator,
-                                      LiarReducer, SplitLiarReducer, Framer, SkipsOne, Concentrated)}
+                                      LiarReducer, SplitLiarReducer, Framer, ForgingLiarReducer, FalseDisputer,
+                                      SkipsOne, Concentrated)}
 # the built-ins that take options, and which (``--miner.rel``, ``--miner.fraction``, ``--miner.values``, ...)
 OPTIONS = {NoisyAverage: ("rel",), StaleAverage: ("rel",), Partial: ("fraction",), Concentrated: ("values", "share")}
 

@@ -200,7 +200,8 @@ class Custom(MinerBehaviour):
 def test_behaviours_load_by_name_or_module_class_and_refuse_anything_else():
     assert set(BUILTIN) == {"honest", "freerider", "noise", "scaled", "stale", "replayer", "overfitter", "copycat",
                             "noisy-average", "stale-average", "partial", "twofaced", "twofaced-zero", "equivocator",
-                            "liar-reducer", "liar-reducer-some", "framer", "skips-one", "concentrated"}
+                            "liar-reducer", "liar-reducer-some", "framer", "liar-reducer-forged", "false-disputer",
+                            "skips-one", "concentrated"}
     # the behaviours that do honest work say so (the local network's report judges the model by them)
     assert {name for name, cls in BUILTIN.items() if cls.honest} == {"honest", "skips-one"}
     assert load_behaviour(f"{__name__}:Custom").honest is False  # a plug-in is honest when it says so

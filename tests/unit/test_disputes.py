@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from template.allreduce.disputes import OwnInputCheck, mismatch
+from template.allreduce.disputes import OwnInputCheck, counted_disputes, mismatch
 from template.allreduce.evidence import AllReduceEvidence, SegmentRecord
 from template.allreduce.messages import AveragedSegment, InputStatement, MessageError
 from template.allreduce.reduction import OwnerRule, SegmentInput, reduce_segment, weight_cap
@@ -160,3 +160,13 @@ def test_an_owner_whose_input_the_rule_left_out_of_its_segments_is_still_covered
     assert evidence.coverage() == {"a": 1 / 3, "b": 1 / 3}  # the rule did not apply: only inclusion counts
     evidence.left_out = (0, 1)
     assert evidence.coverage() == {"a": 2 / 3, "b": 1.0}
+
+
+def test_a_sender_that_disputes_more_than_one_owner_counts_for_none():
+    owner_of = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    # sender 5 disputes one owner's segments: they drop; sender 7 disputes three owners: none of its disputes counts
+    pairs = [(0, 5), (1, 5), (2, 7), (4, 7), (0, 7), (3, 6)]
+    assert counted_disputes(pairs, owner_of) == {0: 5, 1: 5, 3: 6}
+    assert counted_disputes(reversed(pairs), owner_of) == {0: 5, 1: 5, 3: 6}  # the same for every reader
+    assert counted_disputes([(2, 4), (2, 3)], owner_of) == {2: 3}  # one segment, two senders: the lowest names it
+    assert counted_disputes([], owner_of) == {}
