@@ -67,6 +67,7 @@ def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllRe
     owner_keys = {index: keys[peer] for index, peer in enumerate(gathered) if peer in keys}
     # members finish within milliseconds of each other: poll soon, then back off (the same reads, fewer waits)
     pause = CONFIRMATION_FIRST_POLL_S
+    checked: dict[tuple[str, str, str], Dispute | None] = {}  # each posted dispute's signature is verified once
     while True:
         found = dht.get(key, latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
@@ -81,8 +82,12 @@ def confirm_shares(dht: hivemind.DHT, key: str, own_subkey: str, evidence: AllRe
                 if index is not None:
                     seen.setdefault(index, set()).add((claim[0], claim[1]))
             for segment, signature in (posted.items() if isinstance(posted, dict) else []):
-                dispute = _valid_dispute(poster, segment, signature, keys, evidence, terms, group_id, verify)
-                if dispute is not None:
+                if not isinstance(signature, str) or not isinstance(poster, str):
+                    continue
+                if (poster, segment, signature) not in checked:
+                    checked[poster, segment, signature] = _valid_dispute(poster, segment, signature, keys, evidence,
+                                                                         terms, group_id, verify)
+                if (dispute := checked[poster, segment, signature]) is not None:
                     disputed.append(dispute)
         conflicts = tuple(sorted(owner for owner, claims in seen.items() if len(claims) > 1))
         disputes = tuple(sorted(disputed, key=lambda d: (d.segment, d.sender)))
