@@ -152,6 +152,9 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
     announced = [result.weights.get(peer) for peer in senders]
     cap = weight_cap(announced)
     context = round_context(scope, round, bytes.fromhex(result.group_id))
+    disputers: dict[int, list[int]] = {}  # segment -> the senders that disputed it (who lied, owner or sender?)
+    for dispute in evidence.disputes:
+        disputers.setdefault(dispute.segment, []).append(dispute.sender)
     for owner in evidence.conflicts:
         outcome.accused[members[owner]] = "signed different shares for different members of the group (its own " \
                                           "certificates)"
@@ -175,10 +178,9 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
             continue
         inputs = [SegmentInput(s, d, announced[s] or 0.0) for s, d in zip(record.included, data, strict=True)]
         numel = _segment_numel(codec, commitments, segment)
-        disputers = [d.sender for d in evidence.disputes if d.segment == segment]  # who lied, owner or sender?
         try:
             expected = reduce_segment(inputs, numel, codec, announced, rule, cap,
-                                      segment_context(context, segment) if disputers else None)
+                                      segment_context(context, segment) if segment in disputers else None)
         except NoValidContribution:
             expected = None
         outcome.segments_checked += 1
@@ -195,7 +197,7 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
             outcome.accused.setdefault(owner, f"returned a wrong average for segment {segment} (recomputed from its "
                                               "inputs as their senders signed them)")
         else:
-            for disputer in disputers:
+            for disputer in disputers.get(segment, ()):
                 _judge_dispute(outcome, segment, record, disputer, senders, owner, expected, codec, numel)
     return outcome
 
