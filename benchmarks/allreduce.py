@@ -16,7 +16,8 @@ per peer/rank on 127.0.0.1:
 Reported per (peers, size, codec): median time of the repeats and its ratio to gloo's float32 time, the max
 abs error of the result vs the exact (float64) mean (gloo) or the exact mean the owners' rule takes (hivemind: from
 8 senders each owner leaves its own input out of its segments), whether all peers hold bit-identical results, and
-the bytes each peer sent vs the butterfly/ring bound 2(N−1)/N × size × 4 bytes. A short sweep of the codec's
+the bytes each peer sent vs the butterfly/ring bound 2(N−1)/N × size × 4 bytes. Each codec runs at its own
+``segment_values`` (the product's: 131,072 for the dense codecs, 1,048,576 for sparse). A short sweep of the codec's
 ``segment_values`` (the unit of the butterfly) is run for the default codec on the largest default config below
 50M values.
 """
@@ -460,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             for size in sizes:
                 for codec in codecs:
                     log.info("hivemind: %d peers, %d values, %s", world, size, codec)
-                    measured = group.measure(size, codec, default_part, repeats, warmup)
-                    rows.append(row(world, size, codec, default_part, gloo[size], measured))
+                    part = get_codec(codec).segment_values  # each codec's own, as the product uses it
+                    measured = group.measure(size, codec, part, repeats, warmup)
+                    rows.append(row(world, size, codec, part, gloo[size], measured))
                 if size == sweep_size and world == max(peer_counts):
                     for part in sweep:
                         log.info("segment sweep: %d peers, %d values, %s, %d values", world, size, default_codec, part)

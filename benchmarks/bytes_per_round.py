@@ -99,7 +99,7 @@ def sparse_bounds(codec_name: str, params: int, peers: int) -> dict[str, float]:
     contribution = 8 * sum(codec.encoded_size(n) for n in sizes) / params
 
     def sent(union_density: float) -> float:
-        return share * (contribution + min(16.0, settings.sum_bits_per_value(union_density)))
+        return share * (contribution + settings.sum_bits_per_value(union_density, peers))
 
     return dict(contribution_bits_per_param=contribution, lower_bits_per_param=sent(settings.density),
                 upper_bits_per_param=sent(min(1.0, peers * settings.density)))

@@ -14,8 +14,9 @@ What it measures, for each codec of ``template.allreduce.codecs`` with its defau
   safer measurement, and the JSON says so (``scaled_from``).
 - **Bits per parameter.** Of one contribution (exact: ``encoded_size``), and of the averaged segments of N peers
   (``--peers``), measured on N independent contributions: for the dense codecs it equals the contribution; for
-  ``sparse`` it is the smaller of the sparse sum (u16 count per chunk, index bits and an fp16 value per nonzero of
-  the union of the N supports) and dense fp16.
+  ``sparse`` (a mean over the kept values, its default) it is the attributed sum (a count per chunk and sender,
+  index bits and an fp16 value per nonzero of the union of the N supports: what an owner sends); for a mean over
+  all values, the smaller of the sparse sum (a u16 count per chunk) and dense fp16.
 - **Butterfly traffic per peer and round** (sent; received is the same): (N−1)/N × contribution + (N−1)/N × averaged
   bytes (a peer sends (N−1)/N of its contribution to the other owners and serves its 1/N share of the averaged
   segments to the N−1 others).
@@ -24,7 +25,8 @@ What it measures, for each codec of ``template.allreduce.codecs`` with its defau
   contributions with the owner's rule (:func:`template.allreduce.reduction.reduce_segment`: decode, norms, the
   float64 mean, ``encode_average``; timed on N independent contributions of a 1/N slice), and decodes every averaged
   segment. Reported per operation and in total, scaled to ``--values``, beside fp16's in the same run.
-- **Crossover N** where the sparse sum stops being smaller than dense fp16: analytic for disjoint supports (the worst
+- **Crossover N** where the sparse sum stops being smaller than dense fp16 (beyond it a mean over the kept values
+  costs more than dense fp16 would; one over all values falls back to it): analytic for disjoint supports (the worst
   case, N·k nonzeros per chunk) and for independent uniformly placed supports (1 − (1 − k/chunk)^N of a chunk),
   and measured on independent contributions.
 
@@ -39,7 +41,14 @@ from typing import Any
 import torch
 
 from benchmarks.common import benchmark_parser, emit, machine_info, parse_benchmark_args
-from template.allreduce.codecs import CODEC_NAMES, SegmentCodec, SparseCodec, encode_segments, get_codec
+from template.allreduce.codecs import (
+    CODEC_NAMES,
+    SegmentCodec,
+    SparseCodec,
+    encode_segments,
+    get_codec,
+    segment_slices,
+)
 from template.allreduce.reduction import OwnerRule, SegmentInput, reduce_segment, weight_cap
 
 
@@ -75,10 +84,15 @@ def decoded_contributions(codec: SegmentCodec, count: int, numel: int, seed: int
 
 
 def averaged_bits(codec: SegmentCodec, decoded: list[torch.Tensor]) -> float:
-    """Bits per value of the averaged segments of these peers' decoded contributions."""
+    """Bits per value of the averaged segments of these peers' decoded contributions, in the form an owner sends
+    (a mean over the kept values: the attributed form, naming a sender that kept each value)."""
     mean = torch.stack(decoded).double().mean(dim=0).to(torch.float32)
-    segments, _ = encode_segments(codec, mean, average=True)
-    return 8 * sum(len(s) for s in segments) / mean.numel()
+    if not codec.mean_of_kept:
+        segments, _ = encode_segments(codec, mean, average=True)
+        return 8 * sum(len(s) for s in segments) / mean.numel()
+    total = sum(len(codec.encode_attributed_average(mean[part], [x[part] for x in decoded]))
+                for part in segment_slices(mean.numel(), codec.segment_values))
+    return 8 * total / mean.numel()
 
 
 def speed(codec: SegmentCodec, values: torch.Tensor, total: int, peers: int, repeats: int) -> dict[str, Any]:
@@ -138,12 +152,13 @@ def round_cost(row: dict[str, Any], codec: SegmentCodec, slice_values: int, tota
 
 
 def crossover(codec: SparseCodec, max_peers: int) -> dict[str, Any]:
-    """The smallest N at which the averaged segment falls back to dense fp16 (the sparse sum is no smaller)."""
+    """The smallest N at which the averaged segment is no smaller than dense fp16: where a mean over all values
+    falls back to it, and from where the attributed form of a mean over the kept values (the default) costs more."""
     s = codec.settings
     dense = 16.0  # bits per value of dense fp16 (the 1-byte tag is per segment)
 
     def first(union_density) -> int:
-        return next(n for n in range(1, 10_000) if s.sum_bits_per_value(union_density(n)) >= dense)
+        return next(n for n in range(1, 10_000) if s.sum_bits_per_value(union_density(n), n) >= dense)
 
     disjoint = first(lambda n: min(1.0, n * s.density))
     independent = first(lambda n: 1 - (1 - s.density) ** n)
@@ -154,8 +169,9 @@ def crossover(codec: SparseCodec, max_peers: int) -> dict[str, Any]:
             measured[peers] = averaged_bits(codec, decoded[:peers])
     measured_crossover = next((n for n, bits in measured.items() if bits >= dense), None)
     return dict(
-        formula=("averaged bits/param = min(16 (dense fp16), 16/chunk + u(N)·(index_bits + 16)); "
-                 "u(N) = min(1, N·k/chunk) for disjoint supports, 1 − (1 − k/chunk)^N for independent ones"),
+        formula=("averaged bits/param = N·8/chunk + u(N)·(index_bits + 16) (a mean over the kept values, attributed; "
+                 "over all values: min(16, 16/chunk + u(N)·(index_bits + 16))); u(N) = min(1, N·k/chunk) for "
+                 "disjoint supports, 1 − (1 − k/chunk)^N for independent ones"),
         disjoint_supports=disjoint, independent_supports=independent,
         measured_bits_per_param=measured, measured_first_dense=measured_crossover,
         note="real pseudo-gradients of one model share part of their supports, so their crossover is later still",

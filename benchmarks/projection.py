@@ -24,11 +24,12 @@ Constants (values and sources also in the JSON's ``constants``):
   the meta device like ``benchmarks/bytes_per_round.py`` ``count_params``.
 - fp16: 16 bits per value, contribution and averaged (§4: measured bytes = analytic within 0.11 %).
 - sparse contribution 0.227 bits per parameter (§4, §6: exact). Its averaged segments hold the union of the N
-  supports: ``16/chunk + u·(index_bits + 16)`` bits, capped at dense fp16's 16 (``SparseSettings.sum_bits_per_value``:
-  chunk 4096, k 64, 12-bit indices), with u = 1 − (1 − k/chunk)^N for independent supports (the codec_speed
-  benchmark's formula). It reproduces what §6 measured on independent contributions (1.713 at N = 4, 3.32 at N = 8,
-  dense from N = 54) and the README's 11.09 at N = 32; real pseudo-gradients of one model overlap more (§7: 1.43–1.69
-  at N = 4), so the sparse bytes are upper bounds. At N = 64 the owners send dense fp16.
+  supports, each value naming a sender that kept it: ``8N/chunk + u·(index_bits + 16)`` bits
+  (``SparseSettings.sum_bits_per_value``: chunk 4096, k 64, 12-bit indices, a byte per chunk and sender; never dense,
+  design change 27), with u = 1 − (1 − k/chunk)^N for independent supports (the codec_speed benchmark's formula). It
+  reproduces what §6 measured on independent contributions within 1 % (1.713 at N = 4, 3.32 at N = 8, 11.09 at
+  N = 32, before the naming's +0.004 / +0.012 / +0.059 bits) and passes dense fp16's 16 bits from N = 54; real
+  pseudo-gradients of one model overlap more (§7: 1.43–1.69 at N = 4), so the sparse bytes are upper bounds.
 - Codec CPU seconds per round on one core (§6 ``round``, N = 8, 1.1 B values): fp16 encode 0.52, decode own 0.58,
   owner's rule 1.39, decode average 2.02; sparse 3.39, 2.67, 5.24, 2.40. Taken as the same at every N: encoding and
   decoding one's own contribution do not depend on N, the owner's rule decodes N inputs of a 1/N share (≈ one model's
@@ -62,7 +63,7 @@ PARAMS_1B = 1_100_048_384
 FP16_BITS = 16.0
 SPARSE_CONTRIBUTION_BITS = 0.227
 SPARSE_CHUNK, SPARSE_K, SPARSE_INDEX_BITS = 4096, 64, 12
-SPARSE_AVERAGED_MEASURED = {4: 1.713, 8: 3.32, 32: 11.09}  # independent contributions (§6, README)
+SPARSE_AVERAGED_MEASURED = {4: 1.713, 8: 3.32, 32: 11.09}  # independent contributions (§6), before the naming
 CODEC_MEASURED_VALUES = 1.1e9  # §6 scaled its times to 1.1 B values
 # (foreground: encode + decode own, background: owner's rule + decode average), seconds per round on one core
 CODEC_SECONDS = {"fp16": (0.52 + 0.58, 1.39 + 2.02), "sparse": (3.39 + 2.67, 5.24 + 2.40)}
@@ -83,7 +84,7 @@ CONSTANTS = {
     "sparse_chunk_k_index_bits": Constant([SPARSE_CHUNK, SPARSE_K, SPARSE_INDEX_BITS],
                                           "template/allreduce/sparse_codec.py SparseSettings defaults"),
     "sparse_averaged_bits_measured": Constant(SPARSE_AVERAGED_MEASURED,
-                                              "docs/benchmarks.md §6 (N = 4, 8; dense from N = 54), README (N = 32)"),
+                                              "docs/benchmarks.md §6 (N = 4, 8, 32; before design change 27)"),
     "codec_seconds_foreground_background": Constant(
         CODEC_SECONDS, "docs/benchmarks.md §6 'round' at N = 8, one core, 1.1 B values: (encode + decode own, "
                        "owner's rule + decode average); taken as the same at every N"),
@@ -162,7 +163,7 @@ class Row:
 def sparse_averaged_bits(peers: int) -> float:
     """Bits per parameter of the sparse averaged segments of ``peers`` independent contributions (module docstring)."""
     union = 1 - (1 - SPARSE_K / SPARSE_CHUNK) ** peers
-    return min(FP16_BITS, 16 / SPARSE_CHUNK + union * (SPARSE_INDEX_BITS + 16))
+    return 8 * peers / SPARSE_CHUNK + union * (SPARSE_INDEX_BITS + 16)
 
 
 def butterfly_bits(codec: str, peers: int) -> float:

@@ -19,7 +19,8 @@ INT8_BLOCK = 256
 FP16_MAX = 65504.0
 _TINY = torch.finfo(torch.float32).tiny
 _ABS_MASK = 0x7FFFFFFF
-_TAG_DENSE, _TAG_SPARSE = 0, 1
+_TAG_DENSE, _TAG_SPARSE, _TAG_ATTRIBUTED = 0, 1, 2
+MAX_ATTRIBUTED_GROUPS = 256  # senders an attributed average can name (template.allreduce.sparse_codec)
 
 
 class CodecError(ValueError):

@@ -68,7 +68,7 @@ from template.allreduce.codec_base import (
     _check_values,
     all_finite,
 )
-from template.allreduce.sparse_codec import SPARSE_MEANS, SparseCodec, SparseSettings
+from template.allreduce.sparse_codec import SPARSE_MEANS, AttributedAverage, SparseCodec, SparseSettings
 
 __all__ = [
     "CODEC_NAMES",
@@ -77,6 +77,7 @@ __all__ = [
     "INT8_BLOCK",
     "MAX_SEGMENT_VALUES",
     "SPARSE_MEANS",
+    "AttributedAverage",
     "CodecError",
     "DenseCodec",
     "Fp16Codec",

@@ -20,9 +20,10 @@ it was true — a sender cannot frame an owner, only lose its pay (and that segm
 What it leaves: the owner's own input, which no other member holds, can still absorb a lie — unless the rule leaves
 it out of its own segment (:attr:`template.allreduce.reduction.OwnerRule.own_input_min_senders`: from 8 senders,
 where it costs ≤ 0.5 % of held-out loss, docs/benchmarks.md §10); then every claim of the average is checked by
-the one that holds the input. Codecs that average over the senders that kept each value (``mean_of_kept``) scale
-each input per value by weights only the owner knows: their senders cannot check, and their statements carry no
-norms.
+the one that holds the input. For codecs that average over the senders that kept each value (``mean_of_kept``),
+where each input's weight per value depends on who else kept it (known only to the owner), a sender also checks
+the average's projections at the values it kept and that the average names it only for values it kept
+(:mod:`template.allreduce.verification`); neither needs those weights.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 
-from template.allreduce.codecs import CodecError, SegmentCodec
+import torch
+
+from template.allreduce.codecs import AttributedAverage, CodecError, SegmentCodec
 from template.allreduce.messages import AveragedSegment, InputStatement
 from template.allreduce.reduction import (
     OwnerRule,
@@ -41,7 +44,7 @@ from template.allreduce.reduction import (
     input_peak,
     value_bound,
 )
-from template.allreduce.verification import Directions, claims
+from template.allreduce.verification import Directions, claims, factored, kept_projections
 
 __all__ = ["OwnInputCheck", "counted_disputes", "dispute_bytes", "mismatch", "true_statement"]
 
@@ -60,18 +63,20 @@ def mismatch(said: InputStatement, true: InputStatement, numel: int) -> str:
         return f"its norm was stated as {said.norm!r}, it is {true.norm!r}"
     if said.peak != true.peak:
         return f"its largest magnitude was stated as {said.peak!r}, it is {true.peak!r}"
-    tolerance = CLAIM_TOLERANCE * math.sqrt(max(numel, 1)) * true.norm + 1e-300
-    if len(said.claims) != len(true.claims) or not all(
-            abs(a - b) <= tolerance for a, b in zip(said.claims, true.claims, strict=True)):
-        return f"its projections were stated as {said.claims}, they are {true.claims}"
+    scale = max(true.norm, *map(abs, true.masked)) if true.masked else true.norm
+    tolerance = CLAIM_TOLERANCE * math.sqrt(max(numel, 1)) * scale + 1e-300
+    for what, stated, actual in (("projections", said.claims, true.claims),
+                                 ("projections of the average at its kept values", said.masked, true.masked)):
+        if len(stated) != len(actual) or not all(abs(a - b) <= tolerance for a, b in zip(stated, actual, strict=True)):
+            return f"its {what} were stated as {stated}, they are {actual}"
     return ""
 
 
-def true_statement(codec: SegmentCodec, rule: OwnerRule, averaged: AveragedSegment, position: int, data: bytes,
-                   numel: int, drawn: Directions) -> InputStatement:
-    """What the owner's rule makes of the ``position``-th included input, ``data`` (its encoded bytes), given what
-    the owner stated of the others' norms and peaks: the clip factor, the value bound and the projections."""
-    values = codec.decode(data, numel)
+def true_statement(codec: SegmentCodec, rule: OwnerRule, averaged: AveragedSegment, position: int,
+                   values: torch.Tensor, drawn: Directions, average: torch.Tensor | None = None) -> InputStatement:
+    """What the owner's rule makes of the ``position``-th included input, ``values`` (decoded), given what the owner
+    stated of the others' norms and peaks: the clip factor, the value bound and the projections — and, for a
+    ``mean_of_kept`` codec, the projections of ``average`` (the decoded average) at the values it kept."""
     norm, peak = input_norm(values), input_peak(values)
     norms, peaks = list(averaged.norms), list(averaged.peaks)
     norms[position], peaks[position] = norm, peak
@@ -80,7 +85,11 @@ def true_statement(codec: SegmentCodec, rule: OwnerRule, averaged: AveragedSegme
     factor = factors[position]
     clamped = bounded_input(values, peak, factor, bound)
     used = values if clamped is None else clamped
-    return InputStatement(norm, peak, claims([used], [factor], drawn)[0])
+    if not codec.mean_of_kept:
+        return InputStatement(norm, peak, claims([used], [factor], drawn)[0])
+    assert average is not None, "a mean over the kept values is checked against the average"
+    plain, masked, _ = kept_projections([used], average, drawn)  # a clamped value stays kept: the same positions
+    return InputStatement(norm, peak, factored(plain, [factor])[0], factored(masked)[0])
 
 
 class OwnInputCheck:
@@ -94,11 +103,14 @@ class OwnInputCheck:
         self.codec, self.rule, self.sender, self.segments = codec, rule, sender, tuple(segments)
         self.own_range, self.false = own_range, false
 
-    def disputed(self, segment: int, averaged: AveragedSegment, numel: int, drawn: Directions) -> str:
-        """Why the owner's statement of our input in ``segment`` is false ("" when it holds, or when the segment is
-        not ours to check: we are not in it, or its codec's statements are not checkable)."""
+    def disputed(self, segment: int, averaged: AveragedSegment, average: torch.Tensor, drawn: Directions,
+                 attributed: AttributedAverage | None = None) -> str:
+        """Why the owner's statement of our input in ``segment`` (``average``: the decoded average) is false — or,
+        for a ``mean_of_kept`` codec, why the average names us for a value we did not keep (``attributed``: the
+        average as decoded with whom it names, decoded here when not given); "" when it holds, or when the segment
+        is not ours to check (we are not in it, or we own it)."""
         start, stop = self.own_range
-        if self.codec.mean_of_kept or self.sender not in averaged.included or start <= segment < stop:
+        if self.sender not in averaged.included or start <= segment < stop:
             return ""
         if self.false:
             return "AllReduceFaults.dispute: a false dispute"
@@ -107,10 +119,19 @@ class OwnInputCheck:
         if said is None:
             return "the average came without the owner's statement of our input"
         try:
-            true = true_statement(self.codec, self.rule, averaged, position, self.segments[segment], numel, drawn)
+            values = self.codec.decode(self.segments[segment], average.numel())
         except CodecError as err:  # our own bytes always decode; say so rather than fail the share
             return f"our own segment does not decode: {err}"
-        return mismatch(said, true, numel)
+        if self.codec.mean_of_kept:
+            if attributed is None:
+                attributed = self.codec.decode_attributed_average(averaged.data, average.numel())
+            if attributed is None:  # members refute it before asking us; say so if one did not
+                return "the average does not name a sender for each of its values"
+            unkept = int(values[attributed.named(position)].eq(0).sum())
+            if unkept:
+                return f"the average names us for {unkept} values we did not keep"
+        return mismatch(said, true_statement(self.codec, self.rule, averaged, position, values, drawn, average),
+                        average.numel())
 
 
 def dispute_bytes(scope: str, round: int, group_id: bytes, segment: int, digest: bytes) -> bytes:

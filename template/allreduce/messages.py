@@ -12,7 +12,8 @@ Owner → every member (senders and auxiliary validators alike), the same bytes 
   *proven* refusals — a sender whose bytes did not match its committed leaf, with the sender's own signature of
   the digest it did send — the owner's claims, which every member holds the average against
   (:mod:`template.allreduce.verification`), and each input's norm and largest magnitude as its rule read them, from
-  which each sender checks the claim of its own input (:mod:`template.allreduce.disputes`);
+  which each sender checks the claim of its own input (:mod:`template.allreduce.disputes`) — for a codec that averages
+  over the kept values, also plain claims and the average's projections at each sender's kept values;
 - a final :class:`ShareCertificate`: the owner's signature over the digest of every averaged segment it sent and of
   the commitments it checked against, so that two members who received different bytes, or an owner that averaged
   against other roots, hold conflicting signed statements (the confirmation in :mod:`template.allreduce.averager`).
@@ -119,11 +120,13 @@ class Refusal:
 @dataclass(frozen=True)
 class InputStatement:
     """What an owner says about one sender's input in one averaged segment (or what that input really gives): its
-    norm and largest magnitude as the owner's rule read them, and its claims (template.allreduce.disputes)."""
+    norm and largest magnitude as the owner's rule read them, its claims (plain: unscaled) and, for a codec that
+    averages over the kept values, the average's projections at the values it kept (template.allreduce.disputes)."""
 
     norm: float
     peak: float
     claims: tuple[float, ...]
+    masked: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,30 +142,45 @@ class AveragedSegment:
     # the rule for its own input from these: template.allreduce.disputes); () without claims
     norms: tuple[float, ...] = ()
     peaks: tuple[float, ...] = ()
+    # per included sender, for a codec that averages over the kept values (``mean_of_kept``), whose claims are
+    # scaled by weights only the owner knows: its plain (unscaled) claims and the average's projections at the values
+    # it kept, which its sender can check (template.allreduce.verification); () otherwise
+    plain: tuple[tuple[float, ...], ...] = ()
+    masked: tuple[tuple[float, ...], ...] = ()
 
     def statement(self, position: int) -> InputStatement | None:
-        """The owner's statement of the ``position``-th included sender's input; None when it made none."""
+        """The owner's statement of the ``position``-th included sender's input, as that sender can check it (for a
+        ``mean_of_kept`` codec: the plain claims and the projections at its kept values); None when it made none."""
         if not len(self.norms) == len(self.peaks) == len(self.claims) == len(self.included):
             return None
-        return InputStatement(self.norms[position], self.peaks[position], tuple(self.claims[position]))
+        if not self.plain and not self.masked:
+            return InputStatement(self.norms[position], self.peaks[position], tuple(self.claims[position]))
+        if not len(self.plain) == len(self.masked) == len(self.included):
+            return None
+        return InputStatement(self.norms[position], self.peaks[position], tuple(self.plain[position]),
+                              tuple(self.masked[position]))
 
     def pack(self, senders: int) -> bytes:
         mask = sum(1 << s for s in self.included).to_bytes((senders + 7) // 8, "little")
         refusals = [[r.sender, r.leaf, r.signature] for r in self.refusals]
         return _pack(dict(data=self.data, included=mask, weight=float(self.weight), refusals=refusals,
                           claims=[list(c) for c in self.claims], norms=[float(n) for n in self.norms],
-                          peaks=[float(p) for p in self.peaks]))
+                          peaks=[float(p) for p in self.peaks], plain=[list(c) for c in self.plain],
+                          masked=[list(m) for m in self.masked]))
 
     @classmethod
     def unpack(cls, data: bytes, max_bytes: int, senders: int) -> AveragedSegment:
-        document = _unpack(data, ("data", "included", "weight", "refusals", "claims", "norms", "peaks"),
-                           "averaged segment",
-                           max_bytes + senders * (DIGEST_BYTES + MAX_SIGNATURE_BYTES + 34 + 9 * MAX_CLAIMS) + 64)
+        document = _unpack(data, ("data", "included", "weight", "refusals", "claims", "norms", "peaks", "plain",
+                                  "masked"), "averaged segment",
+                           max_bytes + senders * (DIGEST_BYTES + MAX_SIGNATURE_BYTES + 38 + 27 * MAX_CLAIMS) + 64)
         mask, weight, refusals = document["included"], document["weight"], document["refusals"]
         claims, norms, peaks = document["claims"], document["norms"], document["peaks"]
-        if not isinstance(claims, list) or len(claims) > senders or not all(
-                isinstance(c, list) and len(c) <= MAX_CLAIMS and all(isinstance(p, float) for p in c) for c in claims):
-            raise MessageError(f"an averaged segment's claims are at most {MAX_CLAIMS} floats per sender")
+        plain, masked = document["plain"], document["masked"]
+        for rows in (claims, plain, masked):
+            if not isinstance(rows, list) or len(rows) > senders or not all(
+                    isinstance(c, list) and len(c) <= MAX_CLAIMS and all(isinstance(p, float) for p in c)
+                    for c in rows):
+                raise MessageError(f"an averaged segment's projections are at most {MAX_CLAIMS} floats per sender")
         if not all(isinstance(v, list) and len(v) <= senders and all(isinstance(x, float) for x in v)
                    for v in (norms, peaks)):
             raise MessageError("an averaged segment's norms and peaks are at most one float per sender")
@@ -180,7 +198,8 @@ class AveragedSegment:
                 raise MessageError("a refusal is [sender index, 32-byte leaf, signature]")
             parsed.append(Refusal(item[0], item[1], _signature(item[2], "a refusal's signature")))
         return cls(document["data"], tuple(s for s in range(senders) if bits >> s & 1), weight, tuple(parsed),
-                   tuple(tuple(c) for c in claims), tuple(norms), tuple(peaks))
+                   tuple(tuple(c) for c in claims), tuple(norms), tuple(peaks), tuple(tuple(c) for c in plain),
+                   tuple(tuple(m) for m in masked))
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ Given the contributions that reached the owner for one segment (already checked 
    random directions drawn from the averaged bytes: the *claims* every member holds the average against
    (:mod:`template.allreduce.verification`). For a ``mean_of_kept`` codec an input is projected after scaling each
    value by W / K (K: the weight of the senders that kept it, :func:`kept_weight`), so the members' one formula
-   Σ (w/W)·claim holds for both means. With the claims go each input's norm and largest magnitude (the rule's whole
-   freedom, :class:`ReducedSegment`), from which each sender redoes steps 2–5 for its own input
+   Σ (w/W)·claim holds for both means; as no sender knows K, the owner adds each input's plain projections and the
+   average's projections at the values it kept, and the average names the first sender that kept each of its
+   values (the codec's attributed form). With the claims go each input's norm and largest magnitude (the rule's
+   whole freedom, :class:`ReducedSegment`), from which each sender redoes steps 2–5 for its own input
    (:mod:`template.allreduce.disputes`).
 
 The owner's own input is not among the inputs when the group has at least ``OwnerRule.own_input_min_senders``
@@ -46,7 +48,8 @@ from dataclasses import dataclass, field
 import torch
 
 from template.allreduce.codecs import CodecError, SegmentCodec, all_finite
-from template.allreduce.verification import Directions, claims
+from template.allreduce.messages import InputStatement
+from template.allreduce.verification import Directions, claims, factored, kept_projections
 
 # A sender's weight (tokens) counts at most this many times the lower median of the group's announced weights.
 WEIGHT_CAP_MULTIPLE = 4.0
@@ -108,8 +111,18 @@ class ReducedSegment:
     # (float64, before clipping), so that a sender can redo the rule for its own input (template.allreduce.disputes)
     norms: tuple[float, ...] = ()
     peaks: tuple[float, ...] = ()
+    # mean_of_kept codecs, made with the claims: per included sender, its plain (unscaled) claims and the average's
+    # projections at the values it kept (template.allreduce.verification)
+    plain: tuple[tuple[float, ...], ...] = ()
+    masked: tuple[tuple[float, ...], ...] = ()
     # the directions the claims were made on (seeded by the digest of ``data``); not part of the result's value
     drawn: Directions | None = field(default=None, compare=False, repr=False)
+    decoded: torch.Tensor | None = field(default=None, compare=False, repr=False)  # data decoded (made with claims)
+
+    def statement(self, position: int) -> InputStatement:
+        """What the ``position``-th included input really gives, as its sender checks it (made with the claims)."""
+        return InputStatement(self.norms[position], self.peaks[position], (self.plain or self.claims)[position],
+                              self.masked[position] if self.masked else ())
 
 
 class NoValidContribution(ValueError):
@@ -192,14 +205,26 @@ def reduce_segment(inputs: Sequence[SegmentInput], numel: int, codec: SegmentCod
     weights = [w for _, _, w in valid]
     total = sum(weights)
     kept = kept_weight(values, weights) if codec.mean_of_kept else None
-    data = codec.encode_average(weighted_mean(values, weights, factors, kept=kept).to(torch.float32))
+    mean = weighted_mean(values, weights, factors, kept=kept).to(torch.float32)
+    if kept is None:
+        data = codec.encode_average(mean)
+    else:
+        data = codec.encode_attributed_average(mean, values)
     made: tuple[tuple[float, ...], ...] = ()
-    drawn = None
+    plain: tuple[tuple[float, ...], ...] = ()
+    masked: tuple[tuple[float, ...], ...] = ()
+    drawn = decoded = None
     if claims_context is not None:
         drawn = Directions(claims_context, hashlib.sha256(data).digest(), numel, codec.check_directions)
-        made = claims(values, factors, drawn, None if kept is None else (kept.numpy(), math.fsum(weights)))
+        decoded = codec.decode_average(data, numel)
+        if kept is None:
+            made = claims(values, factors, drawn)
+        else:
+            rows = kept_projections(values, decoded, drawn, (kept.numpy(), math.fsum(weights)))
+            plain, masked, made = factored(rows[0], factors), factored(rows[1]), factored(rows[2], factors)
     return ReducedSegment(data, tuple(s for s, _, _ in valid), total, tuple(dropped), tuple(clipped),
-                          tuple((valid[i][0], count) for i, count in bounded), made, tuple(norms), tuple(peaks), drawn)
+                          tuple((valid[i][0], count) for i, count in bounded), made, tuple(norms), tuple(peaks),
+                          plain, masked, drawn, decoded)
 
 
 def input_norm(values: torch.Tensor) -> float:

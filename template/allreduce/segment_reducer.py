@@ -184,12 +184,15 @@ class SegmentReducer:
         for sender, count in reduced.bounded:
             self.bounded.append((self.sender_names[sender], segment, count))
             logger.warning("bounded %d values of segment %d from %s", count, segment, self.sender_names[sender])
-        decoded = self.codec.decode_average(reduced.data, self.segment_numels[segment])
+        decoded = reduced.decoded
+        if decoded is None:
+            decoded = self.codec.decode_average(reduced.data, self.segment_numels[segment])
         if not all_finite(decoded):
             raise AllreduceException("the average is not finite")
-        stated = (reduced.norms, reduced.peaks) if reduced.claims and not self.codec.mean_of_kept else ((), ())
         return SegmentResult(AveragedSegment(reduced.data, reduced.included, reduced.weight, refusals,
-                                             reduced.claims, *stated), decoded, reduced.drawn)
+                                             reduced.claims, reduced.norms if reduced.claims else (),
+                                             reduced.peaks if reduced.claims else (), reduced.plain, reduced.masked),
+                             decoded, reduced.drawn)
 
     def finalize(self) -> None:
         if self.finished.is_set():

@@ -12,6 +12,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from template.allreduce.codecs import SegmentCodec
 from template.allreduce.contribution import (
     Commitment,
@@ -26,7 +28,7 @@ from template.allreduce.disputes import true_statement
 from template.allreduce.messages import AveragedSegment
 from template.allreduce.owner_inputs import InputKeeper
 from template.allreduce.segment_reducer import SegmentResult
-from template.allreduce.verification import SegmentCheck, projections
+from template.allreduce.verification import Directions, SegmentCheck, factored, kept_projections, projections
 
 __all__ = ["AllReduceFaults", "OwnContribution", "RoundTerms", "SegmentLayout"]
 
@@ -144,27 +146,47 @@ class RoundTerms:
         lie, averaged, decoded = self.faults.lie, result.averaged, result.decoded
         if lie is None or (lie == "some" and receiver % 2 == 0):
             return averaged
-        data = self.codec.encode_average(-decoded)
+        data = negated_average(self.codec, averaged.data, decoded)
         if lie not in ("forged", "forged-own"):
             return dataclasses.replace(averaged, data=data)
-        wrong = self.codec.decode_average(data, decoded.numel())
-        drawn = check.directions(segment, data, wrong.numel())
-        fitted = tuple(float(p) for p in projections([wrong], drawn)[0])
+        numel = decoded.numel()
+        wrong = self.codec.decode_average(data, numel)
+        drawn = check.directions(segment, data, numel)
+        fitted = tuple(float(p) for p in projections([wrong], drawn)[0])  # what every claim must sum to
+        if not self.codec.mean_of_kept:
+            checked = self._forged(lie, averaged, segment, check, kept, wrong, drawn, fitted)
+            return dataclasses.replace(averaged, data=data, claims=checked)
+        # a mean over the kept values: the scaled claims (no sender checks them) fit the wrong average; the plain
+        # ones are forged to fit the average's projections at the kept values, which are true for the wrong bytes
+        inputs = [self.codec.decode(kept.accepted(s, segment), numel) for s in averaged.included]
+        masked = factored(kept_projections(inputs, wrong, drawn)[1])
+        total = sum(check.weights[s] for s in averaged.included)
+        target = tuple(sum(check.weights[s] / total * m[k] for s, m in zip(averaged.included, masked, strict=True))
+                       for k in range(drawn.count))
+        plain = self._forged(lie, averaged, segment, check, kept, wrong, drawn, target)
+        return dataclasses.replace(averaged, data=data, claims=tuple(fitted for _ in averaged.included), plain=plain,
+                                   masked=masked)
+
+    def _forged(self, lie: str, averaged: AveragedSegment, segment: int, check: SegmentCheck, kept: InputKeeper,
+                wrong: torch.Tensor, drawn: Directions, target: tuple[float, ...]) -> tuple[tuple[float, ...], ...]:
+        """Claims (plain ones for a ``mean_of_kept`` codec) whose weighted sum is ``target``: forged, all equal to
+        it; forged-own, every one true on the wrong average's directions but one, which takes the whole lie — our own
+        input's, which no other member holds, when we are in the average; else the first sender's, which it
+        disputes."""
         if lie == "forged":
-            return dataclasses.replace(averaged, data=data, claims=tuple(fitted for _ in averaged.included))
-        # forged-own: every claim true on the new directions but one, which takes the whole lie — our own input's,
-        # which no other member holds, when we are in the average; else the first sender's, which it disputes
+            return tuple(target for _ in averaged.included)
         assert check.own is not None, "forged-own is an owner that sends"
-        claims = [list(true_statement(self.codec, check.own.rule, averaged, i, kept.accepted(s, segment),
-                                      wrong.numel(), drawn).claims) for i, s in enumerate(averaged.included)]
+        claims = [list(true_statement(self.codec, check.own.rule, averaged, i,
+                                      self.codec.decode(kept.accepted(s, segment), wrong.numel()), drawn, wrong).claims)
+                  for i, s in enumerate(averaged.included)]
         position = averaged.included.index(check.own.sender) if check.own.sender in averaged.included else 0
         weights = [check.weights[s] for s in averaged.included]
         total = sum(weights)
-        for k, target in enumerate(fitted):
+        for k, goal in enumerate(target):
             others = sum(w / total * c[k] for i, (w, c) in enumerate(zip(weights, claims, strict=True))
                          if i != position)
-            claims[position][k] = (target - others) * total / weights[position]
-        return dataclasses.replace(averaged, data=data, claims=tuple(map(tuple, claims)))
+            claims[position][k] = (goal - others) * total / weights[position]
+        return tuple(map(tuple, claims))
 
     @property
     def commitments_digest(self) -> bytes:
@@ -172,3 +194,13 @@ class RoundTerms:
         for c in self.commitments:
             digest.update(b"\x00" if c is None else b"\x01" + c.signing_bytes() + c.signature)
         return digest.digest()
+
+
+def negated_average(codec: SegmentCodec, data: bytes, decoded: torch.Tensor) -> bytes:
+    """The bytes of the negated average ``decoded`` (encoded as ``data``; a ``mean_of_kept`` codec's naming the same
+    sender for each value): a liar's (AllReduceFaults.lie)."""
+    if not codec.mean_of_kept:
+        return codec.encode_average(-decoded)
+    attributed = codec.decode_attributed_average(data, decoded.numel())
+    keepers = attributed.keepers_per_value()
+    return codec.encode_attributed_average(-decoded, [keepers == sender for sender in range(attributed.groups)])

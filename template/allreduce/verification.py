@@ -26,10 +26,17 @@ for int8 (rounding up to s/2, ~1/85 of a block's typical value) one misses ~4 % 
 An average the codec had to clamp (fp16 beyond ±65504, possible only with the sparse codec's float32-scaled
 contributions) is not the mean either and is refuted like a wrong one; no honest pseudo-gradient comes near it.
 
-Codecs that average each value over the senders that kept it (``mean_of_kept``, the sparse codec's default): the
-owner projects each input scaled per value by W / K, K the weight of the senders that kept the value
-(:func:`template.allreduce.reduction.kept_weight`), which makes ``m = Σ (w_i / W) f_i x'_i`` again, so members
-check those averages with the same formula, without holding the per-value weights.
+Codecs that average each value over the senders that kept it (``mean_of_kept``, the sparse codec's default), where
+``m_j = Σ w_i f_i x_ij / K_j`` with ``K_j`` the weight of the senders that kept value j: the owner projects each
+input scaled per value by W / K (:func:`template.allreduce.reduction.kept_weight`), which makes
+``m = Σ (w_i / W) f_i x'_i`` again, so members check those averages with the same formula. Those claims need the
+weights K, which only the owner knows, so no sender could check its own; hence a second check with two more
+statements per included sender: its *plain* claim ``c_i`` (unscaled, as for a dense codec) and ``d_i = ⟨a, z⟩`` over
+the values it kept (:func:`kept_projections`). ``Σ w_i d_i = Σ_j K_j a_j z_j`` equals ``Σ w_i c_i`` up to the
+rounding (``|⟨K·(a − m), z⟩| ≤ W·t·‖ε‖₂``, K ≤ W), which binds the average wherever some sender kept a value; where
+none did it must be zero, so the average names, for each of its nonzeros, a sender that kept it (the codec's
+attributed form). Members check both (:meth:`SegmentCheck._kept_refutation`); each sender checks its ``c_i``, its
+``d_i`` and the values the average names it for (:mod:`template.allreduce.disputes`) — none needs K.
 
 What it does not catch alone: an owner that lies in its claims as well. Each sender checks the claim of its own
 input and disputes a false one (:mod:`template.allreduce.disputes`: the segment is then dropped by every member);
@@ -56,7 +63,8 @@ from template.allreduce.messages import AveragedSegment
 if TYPE_CHECKING:  # disputes builds on this module
     from template.allreduce.disputes import OwnInputCheck
 
-__all__ = ["Admitted", "Directions", "SegmentCheck", "claims", "projections", "round_context", "segment_context"]
+__all__ = ["Admitted", "Directions", "SegmentCheck", "claims", "factored", "kept_projections", "projections",
+           "round_context", "segment_context"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,30 +107,45 @@ class Directions:
         return ((self.packed[:, positions >> 3] >> (7 - (positions & 7)).astype(np.uint8)) & 1).astype(np.float64)
 
 
-def projections(vectors: Sequence[torch.Tensor], directions: Directions,
-                kept: tuple[np.ndarray, float] | None = None) -> np.ndarray:
+def projections(vectors: Sequence[torch.Tensor], directions: Directions) -> np.ndarray:
     """⟨v, z⟩ for each vector and direction (len(vectors) × count), in float64: 2⟨v, b⟩ − Σv, one product with the
     bits as they come (the ±1 form would cost two more passes). A vector with under :data:`SPARSE_SHARE` nonzeros is
-    read at those only (each pass over a 1M-value segment costs ~5 ms here). ``kept = (K, W)``: each value scaled by
-    W / K first (K > 0 wherever a vector is nonzero: :func:`template.allreduce.reduction.kept_weight`)."""
+    read at those only (each pass over a 1M-value segment costs ~5 ms here)."""
     out = np.empty((len(vectors), directions.count))
-    whole = scale = None  # the dense bits and W / K, made once for every dense vector
+    whole = None  # the dense bits, made once for every dense vector
     for row, vector in zip(out, vectors, strict=True):
         values = vector.numpy()
         if _count_nonzero(values) < SPARSE_SHARE * values.size:
             positions = torch.nonzero(vector).reshape(-1).numpy()  # 1.5 × faster than numpy's flatnonzero here
             bits, values = directions.bits_at(positions), values[positions].astype(np.float64)
-            if kept is not None:
-                values *= kept[1] / kept[0][positions]
         else:
             whole = directions.bits() if whole is None else whole
             bits, values = whole, values.astype(np.float64)
-            if kept is not None:
-                if scale is None:
-                    scale = np.divide(kept[1], kept[0], out=np.zeros_like(kept[0]), where=kept[0] > 0)
-                values *= scale
         row[:] = 2.0 * (bits @ values) - values.sum()
     return out
+
+
+def kept_projections(inputs: Sequence[torch.Tensor], average: torch.Tensor, directions: Directions,
+                     kept: tuple[np.ndarray, float] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """For a mean over the kept values (module docstring), per input and direction, from one read of each input's
+    nonzeros: its plain projection ⟨x, z⟩, the average's projection at those values (what the members' second check
+    sums) and, with ``kept = (K, W)``, the projection of x scaled by W / K (the claims; K > 0 wherever x is nonzero:
+    :func:`template.allreduce.reduction.kept_weight`), else None. Each len(inputs) × count, float64."""
+    plain, masked = np.empty((len(inputs), directions.count)), np.empty((len(inputs), directions.count))
+    scaled = None if kept is None else np.empty((len(inputs), directions.count))
+    mean = average.numpy()
+    for i, x in enumerate(inputs):
+        positions = torch.nonzero(x).reshape(-1).numpy()
+        bits = directions.bits_at(positions)
+        rows = [x.numpy()[positions].astype(np.float64), mean[positions].astype(np.float64)]
+        if kept is not None:
+            rows.append(rows[0] * (kept[1] / kept[0][positions]))
+        stacked = np.stack(rows, axis=1)
+        sums = 2.0 * (bits @ stacked) - stacked.sum(axis=0)  # count × len(rows)
+        plain[i], masked[i] = sums[:, 0], sums[:, 1]
+        if scaled is not None:
+            scaled[i] = sums[:, 2]
+    return plain, masked, scaled
 
 
 def _count_nonzero(values: np.ndarray) -> int:
@@ -131,12 +154,17 @@ def _count_nonzero(values: np.ndarray) -> int:
     return int(np.count_nonzero(values.view(np.int32) if values.dtype == np.float32 else values))
 
 
-def claims(values: Sequence[torch.Tensor], factors: Sequence[float], directions: Directions,
-           kept: tuple[np.ndarray, float] | None = None) -> tuple[tuple[float, ...], ...]:
-    """The owner's claims: per input (as its rule used it: ``values`` bounded, ``factors`` the norm clip; ``kept``
-    for a ``mean_of_kept`` codec, :func:`projections`), its projections on ``directions``."""
-    return tuple(tuple(float(p) * factor for p in row)
-                 for row, factor in zip(projections(values, directions, kept), factors, strict=True))
+def claims(values: Sequence[torch.Tensor], factors: Sequence[float],
+           directions: Directions) -> tuple[tuple[float, ...], ...]:
+    """The owner's claims: per input (as its rule used it: ``values`` bounded, ``factors`` the norm clip), its
+    projections on ``directions``."""
+    return factored(projections(values, directions), factors)
+
+
+def factored(rows: np.ndarray, factors: Sequence[float] | None = None) -> tuple[tuple[float, ...], ...]:
+    """Rows of projections as an averaged segment states them: each scaled by its input's norm-clip factor, if any."""
+    factors = [1.0] * len(rows) if factors is None else factors
+    return tuple(tuple(float(p) * factor for p in row) for row, factor in zip(rows, factors, strict=True))
 
 
 @dataclass(frozen=True)
@@ -173,6 +201,10 @@ class SegmentCheck:
         CodecError for an average that is not finite (the share fails: it is fetched from a groupmate, if any).
         ``drawn``: the directions of these very bytes when the caller has them (an owner checking its own average:
         its claims were made on them), else drawn here. Runs in a worker thread."""
+        attributed = None  # a mean over the kept values, with whom it names per value: for our check as a sender
+        if decoded is None and self.codec.mean_of_kept:
+            attributed = self.codec.decode_attributed_average(averaged.data, numel)
+            decoded = None if attributed is None else attributed.values
         if decoded is None:
             decoded = self.codec.decode_average(averaged.data, numel)
         if not all_finite(decoded):
@@ -185,7 +217,7 @@ class SegmentCheck:
         if refuted:
             logger.warning("owner %d's segment %d is dropped by every member: %s", owner, segment, refuted)
             return Admitted(torch.zeros_like(decoded), refuted, drawn.digest)
-        disputed = "" if self.own is None else self.own.disputed(segment, averaged, decoded.numel(), drawn)
+        disputed = "" if self.own is None else self.own.disputed(segment, averaged, decoded, drawn, attributed)
         if disputed:
             logger.warning("owner %d's statement of our input in segment %d is false (%s): disputed", owner,
                            segment, disputed)
@@ -209,4 +241,22 @@ class SegmentCheck:
         gap = max(abs(float(a) - e) for a, e in zip(actual, expected, strict=True))
         if not gap <= tolerance:  # NaN claims fail too
             return f"the average misses the owner's own claims by {gap:.3g} (rounding allows {tolerance:.3g})"
+        return self._kept_refutation(averaged, weights, tolerance) if self.codec.mean_of_kept else ""
+
+    def _kept_refutation(self, averaged: AveragedSegment, weights: Sequence[float], tolerance: float) -> str:
+        """A ``mean_of_kept`` codec's second check (module docstring): the plain claims against the projections at
+        each sender's kept values, and a named sender per value; "" when it holds."""
+        count, included = self.codec.check_directions, len(averaged.included)
+        if any(len(rows) != included or any(len(row) != count for row in rows)
+               for rows in (averaged.plain, averaged.masked)):
+            return "the average came without the owner's plain claims and projections at each sender's kept values"
+        if self.codec.attributed_groups(averaged.data) != included:
+            return "the average does not name, for each of its values, an included sender that kept it"
+        total = math.fsum(weights)
+        gap = max(abs(math.fsum(w / total * (p[k] - m[k])
+                                for w, p, m in zip(weights, averaged.plain, averaged.masked, strict=True)))
+                  for k in range(count))
+        if not gap <= tolerance:
+            return (f"the owner's plain claims miss its projections at the kept values by {gap:.3g} (rounding allows "
+                    f"{tolerance:.3g})")
         return ""

@@ -53,7 +53,6 @@ from template.allreduce.contribution import (
 )
 from template.allreduce.disputes import mismatch
 from template.allreduce.evidence import SegmentRecord
-from template.allreduce.messages import InputStatement
 from template.allreduce.reduction import (
     NoValidContribution,
     OwnerRule,
@@ -198,31 +197,27 @@ def audit_allreduce(result: AveragingResult, segments_by_peer: Mapping[str, Sequ
                                               "inputs as their senders signed them)")
         else:
             for disputer in disputers.get(segment, ()):
-                _judge_dispute(outcome, segment, record, disputer, senders, owner, expected, codec, numel)
+                _judge_dispute(outcome, segment, record, disputer, senders, owner, expected, numel)
     return outcome
 
 
 def _judge_dispute(outcome: AuditResult, segment: int, record: SegmentRecord, disputer: int, senders: Sequence[str],
-                   owner: str, expected: ReducedSegment, codec: SegmentCodec, numel: int) -> None:
+                   owner: str, expected: ReducedSegment, numel: int) -> None:
     """Sender ``disputer`` disputed what the owner of ``segment`` stated of its input, and the owner's average is
     right (``expected``: recomputed with its claims, on the directions of the very bytes the owner sent): the owner
     is convicted when its statement was false, the sender when it was true (template.allreduce.disputes)."""
     position = record.included.index(disputer)
     said = record.statements[position] if len(record.statements) == len(record.included) else None
-    if said is None and codec.mean_of_kept:  # no statement to check there: its senders do not dispute
-        why = "none is made for its codec"
-    elif said is None:
+    if said is None:
         outcome.accused.setdefault(owner, f"stated nothing of {senders[disputer]}'s input in segment {segment}")
         return
-    else:
-        true = InputStatement(expected.norms[position], expected.peaks[position], expected.claims[position])
-        if wrong := mismatch(said, true, numel):
-            outcome.accused.setdefault(owner, f"misstated {senders[disputer]}'s input in segment {segment}: {wrong} "
-                                              "(recomputed from its signed inputs)")
-            return
-        why = "it was true (recomputed from the signed inputs)"
+    if wrong := mismatch(said, expected.statement(position), numel):
+        outcome.accused.setdefault(owner, f"misstated {senders[disputer]}'s input in segment {segment}: {wrong} "
+                                          "(recomputed from its signed inputs)")
+        return
+    # the average's bytes are the recomputed ones, so whom it names for each value is right too
     outcome.accused.setdefault(senders[disputer], f"disputed {owner}'s statement of its input in segment {segment}; "
-                                                  f"{why}")
+                                                  "it was true (recomputed from the signed inputs)")
 
 
 def _input(published: Mapping[str, Sequence[bytes]], served: Mapping[str, Mapping[int, bytes]], sender: str,

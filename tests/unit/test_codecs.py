@@ -283,6 +283,64 @@ def test_decoders_survive_single_byte_corruptions(which, numel, seed, sparsity, 
     decodes_safely(codec, bytes(data), numel, average)
 
 
+def attributed(codec: SparseCodec, numel: int, senders: int, seed: int) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    """An owner's attributed average of ``senders`` sparse inputs: its bytes, the mean and whom it names per value."""
+    kept = [codec.decode(codec.encode(gaussian(numel, seed + s)), numel) for s in range(senders)]
+    keepers = torch.full((numel,), -1, dtype=torch.int64)
+    for s in reversed(range(senders)):
+        keepers[kept[s] != 0] = s
+    mean = torch.stack(kept).sum(0) / torch.stack(kept).ne(0).sum(0).clamp_min(1)
+    return codec.encode_attributed_average(mean, kept), mean, keepers
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(numel=st.integers(1, 256), seed=st.integers(0, 2**16), senders=st.integers(1, 5),
+       position=st.integers(0, 2**20), value=st.integers(0, 255))
+def test_the_attributed_average_decoder_survives_single_byte_corruptions(numel, seed, senders, position, value):
+    codec = small_codecs()[3]
+    data = bytearray(attributed(codec, numel, senders, seed)[0])
+    data[position % len(data)] = value
+    decodes_safely(codec, bytes(data), numel, True)
+
+
+def test_an_attributed_average_names_a_sender_that_kept_each_value_and_refuses_anything_else():
+    """The form a mean over the kept values travels in (template.allreduce.verification): each nonzero listed under
+    one sender; the same values and names come back, and a count above k, a value listed under two senders, an
+    explicit zero, a name past the senders or a nonzero named for nobody are refused."""
+    codec = get_codec("sparse", chunk=64, k=4, bits=2, segment_values=256)
+    data, mean, keepers = attributed(codec, 250, 3, seed=7)
+    decoded = codec.decode_attributed_average(data, 250)
+    values, names = decoded.values, decoded.keepers_per_value()
+    assert decoded.groups == 3 == codec.attributed_groups(data) and torch.equal(values, mean.half().float())
+    assert torch.equal(names[values != 0], keepers[values != 0]) and bool((names[values == 0] == -1).all())
+    assert sorted(decoded.named(1).tolist()) == torch.nonzero(names == 1).reshape(-1).tolist()
+    assert torch.equal(codec.decode_average(data, 250), values) and len(data) <= codec.max_average_size(250)
+    assert codec.decode_attributed_average(codec.encode_average(mean), 250) is None  # the plain form: no names
+    assert codec.attributed_groups(codec.encode_average(mean)) is None
+    first = int(torch.nonzero(names == 0)[0])
+    kept = [names == s for s in range(3)]
+    with pytest.raises(ValueError, match="no averaged sender kept"):
+        codec.encode_attributed_average(mean, [kept[0] & (torch.arange(250) != first), *kept[1:]])
+    with pytest.raises(ValueError, match="no averaged sender kept"):
+        codec.encode_attributed_average(mean, kept[:2])
+    over = bytearray(data)
+    over[3] = 5  # chunk 0, sender 0: 5 values of a chunk, k = 4
+    with pytest.raises(CodecError, match="more than k"):
+        codec.decode_attributed_average(bytes(over), 250)
+    one = np.array([1.0, 1.0], dtype="<f2").tobytes()
+    twice = bytes([2]) + (2).to_bytes(2, "little") + bytes([1, 1]) + bytes([5 | (5 << 6) & 0xFF, 5 >> 2]) + one
+    with pytest.raises(CodecError, match="two senders"):  # value 5 of a 64-value segment, listed under both
+        codec.decode_attributed_average(twice, 64)
+    apart = twice[:5] + bytes([5 | (6 << 6) & 0xFF, 6 >> 2]) + one  # values 5 and 6: one each
+    assert codec.decode_attributed_average(apart, 64).keepers_per_value()[5:7].tolist() == [0, 1]
+    zero = bytearray(data)
+    zero[-2:] = b"\0\0"
+    with pytest.raises(CodecError, match="explicit zero"):
+        codec.decode_attributed_average(bytes(zero), 250)
+    with pytest.raises(CodecError):
+        codec.decode_attributed_average(data + b"\0", 250)
+
+
 @pytest.mark.parametrize("codec", small_codecs(), ids=lambda c: f"{c.name}-{c.segment_values}")
 def test_decoders_refuse_bad_requests(codec):
     data = codec.encode(gaussian(10))
@@ -353,7 +411,8 @@ def test_dense_codecs_average_like_they_encode():
         codec = get_codec(name)
         assert codec.encode_average(x) == codec.encode(x) and codec.max_average_size(3000) == codec.encoded_size(3000)
     sparse = get_codec("sparse")
-    assert len(sparse.encode_average(x)) <= sparse.max_average_size(3000) == 6001
+    # the bound covers the dense form (6001 bytes) and an attributed one naming 256 senders for all 3000 values
+    assert len(sparse.encode_average(x)) <= sparse.max_average_size(3000) == 3 + 256 + 4500 + 6000
 
 
 # -------------------------------------------------------------------------------------- error feedback

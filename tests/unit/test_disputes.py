@@ -26,8 +26,8 @@ def stated_average(codec, inputs: list[torch.Tensor], weights: list[float]):
     encoded = [SegmentInput(i, codec.encode(x), w) for i, (x, w) in enumerate(zip(inputs, weights, strict=True))]
     reduced = reduce_segment(encoded, inputs[0].numel(), codec, weights, OwnerRule(), weight_cap(weights),
                              segment_context(CONTEXT, SEGMENT))
-    norms, peaks = ((), ()) if codec.mean_of_kept else (reduced.norms, reduced.peaks)
-    message = AveragedSegment(reduced.data, reduced.included, reduced.weight, (), reduced.claims, norms, peaks)
+    message = AveragedSegment(reduced.data, reduced.included, reduced.weight, (), reduced.claims, reduced.norms,
+                              reduced.peaks, reduced.plain, reduced.masked)
     return message, encoded, reduced
 
 
@@ -36,10 +36,10 @@ def dispute(codec, message: AveragedSegment, encoded: list[SegmentInput], sender
     contribution = [b""] * SEGMENT + [encoded[sender].data]
     check = OwnInputCheck(codec, OwnerRule(), sender, contribution, own_range=(0, 0))
     drawn = SegmentCheck(codec, CONTEXT, []).directions(SEGMENT, message.data, NUMEL)
-    return check.disputed(SEGMENT, message, NUMEL, drawn)
+    return check.disputed(SEGMENT, message, codec.decode_average(message.data, NUMEL), drawn)
 
 
-@pytest.mark.parametrize("codec_name", ["none", "fp16", "int8", "sparse-all"])
+@pytest.mark.parametrize("codec_name", ["none", "fp16", "int8", "sparse-all", "sparse-kept"])
 def test_every_sender_finds_an_honest_owners_statement_of_its_input_true(codec_name):
     """Ordinary and spread inputs, and one sender 50 × the others with a few values 100 × more: its norm is clipped
     and its values bounded, and each sender, redoing the rule for its own input, finds the owner's statement true."""
@@ -78,13 +78,31 @@ def test_a_false_claim_norm_or_peak_is_disputed_by_its_sender_alone():
     assert "without the owner's statement" in dispute(codec, dataclasses.replace(message, norms=()), encoded, 0)
 
 
-def test_codecs_that_average_over_the_kept_values_state_no_norms_and_are_not_disputed():
+def test_over_the_kept_values_each_sender_checks_its_plain_claim_its_kept_values_and_whom_the_average_names():
+    """A mean over the kept values: the scaled claims are the owner's word (no sender knows the weights they use),
+    but the plain claims, the projections of the average at a sender's kept values and the values the average names
+    a sender for are each checked by that sender — a lie in any of them is disputed by the one it is about."""
     codec, generator = codec_of("sparse-kept", 4096), torch.Generator().manual_seed(13)
-    inputs = [values("normal", NUMEL, generator) for _ in range(2)]
-    message, encoded, _ = stated_average(codec, inputs, [1.0, 1.0])
-    assert message.norms == () and message.statement(0) is None
-    forged = dataclasses.replace(message, claims=tuple((0.0,) * len(c) for c in message.claims))
-    assert dispute(codec, forged, encoded, 0) == ""
+    inputs = [values("normal", NUMEL, generator) for _ in range(3)]
+    message, encoded, _ = stated_average(codec, inputs, [1.0, 2.0, 1.0])
+    assert message.statement(0).masked and message.statement(0).claims == message.plain[0]
+    scaled = dataclasses.replace(message, claims=tuple((0.0,) * len(c) for c in message.claims))
+    assert [dispute(codec, scaled, encoded, s) for s in range(3)] == ["", "", ""]
+    plain = dataclasses.replace(message, plain=(message.plain[0], tuple(-c for c in message.plain[1]),
+                                                message.plain[2]))
+    assert [bool(dispute(codec, plain, encoded, s)) for s in range(3)] == [False, True, False]
+    masked = dataclasses.replace(message, masked=(tuple(-m for m in message.masked[0]), *message.masked[1:]))
+    assert "kept values" in dispute(codec, masked, encoded, 0) and dispute(codec, masked, encoded, 1) == ""
+    # an average that names sender 2 for a value only sender 0 kept (and moves it): sender 2 disputes it
+    decoded = codec.decode_attributed_average(message.data, NUMEL)
+    average, keepers, groups = decoded.values.clone(), decoded.keepers_per_value(), decoded.groups
+    kept_by = [codec.decode(e.data, NUMEL) != 0 for e in encoded]
+    only_first = int(torch.nonzero(kept_by[0] & ~kept_by[1] & ~kept_by[2])[0])
+    keepers[only_first], average[only_first] = 2, average[only_first] * 2
+    renamed = dataclasses.replace(message, data=codec.encode_attributed_average(
+        average, [keepers == s for s in range(groups)]))
+    assert "names us for 1 values we did not keep" in dispute(codec, renamed, encoded, 2)
+    assert "without the owner's statement" in dispute(codec, dataclasses.replace(message, masked=()), encoded, 0)
 
 
 def test_a_sender_never_disputes_itself_nor_an_average_it_is_not_in():
@@ -94,13 +112,14 @@ def test_a_sender_never_disputes_itself_nor_an_average_it_is_not_in():
     forged = dataclasses.replace(message, claims=tuple((0.0,) * len(c) for c in message.claims))
     contribution = [b""] * SEGMENT + [encoded[0].data]
     drawn = SegmentCheck(codec, CONTEXT, []).directions(SEGMENT, message.data, NUMEL)
+    average = codec.decode_average(message.data, NUMEL)
     assert OwnInputCheck(codec, OwnerRule(), 0, contribution, (SEGMENT, SEGMENT + 1)).disputed(
-        SEGMENT, forged, NUMEL, drawn) == ""  # the owner's own segment
+        SEGMENT, forged, average, drawn) == ""  # the owner's own segment
     assert OwnInputCheck(codec, OwnerRule(), 0, contribution, (0, 0)).disputed(
         SEGMENT, dataclasses.replace(forged, included=(1,), claims=forged.claims[1:], norms=forged.norms[1:],
-                                     peaks=forged.peaks[1:]), NUMEL, drawn) == ""
+                                     peaks=forged.peaks[1:]), average, drawn) == ""
     assert "false dispute" in OwnInputCheck(codec, OwnerRule(), 0, contribution, (0, 0), false=True).disputed(
-        SEGMENT, message, NUMEL, drawn)
+        SEGMENT, message, average, drawn)
 
 
 def test_from_enough_senders_an_owner_averages_without_its_own_input_and_members_hold_it_to_that():
@@ -144,12 +163,12 @@ def test_a_validator_convicts_the_sender_of_a_false_dispute_and_the_owner_of_a_f
     true = tuple(message.statement(k) for k in range(2))
     record = SegmentRecord(0, (0, 1), b"", statements=true)
     outcome = AuditResult()
-    _judge_dispute(outcome, SEGMENT, record, 1, senders, "alice", reduced, codec, NUMEL)
+    _judge_dispute(outcome, SEGMENT, record, 1, senders, "alice", reduced, NUMEL)
     assert set(outcome.accused) == {"bob"} and "it was true" in outcome.accused["bob"]
     false = (true[0], dataclasses.replace(true[1], claims=tuple(-c for c in true[1].claims)))
     outcome = AuditResult()
     _judge_dispute(outcome, SEGMENT, dataclasses.replace(record, statements=false), 1, senders, "alice", reduced,
-                   codec, NUMEL)
+                   NUMEL)
     assert set(outcome.accused) == {"alice"} and "misstated bob's input" in outcome.accused["alice"]
     assert mismatch(true[1], true[1], NUMEL) == "" and mismatch(false[1], true[1], NUMEL) != ""
 

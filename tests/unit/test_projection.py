@@ -48,7 +48,7 @@ def test_projection_overlap_h_bytes_and_templar_download(capsys):
 
     for peers, measured in SPARSE_AVERAGED_MEASURED.items():  # the union formula reproduces the measured sizes
         assert sparse_averaged_bits(peers) == pytest.approx(measured, rel=0.01)
-    assert sparse_averaged_bits(53) < 16 <= sparse_averaged_bits(54)  # §6: dense fp16 from N = 54
+    assert sparse_averaged_bits(53) < 16 <= sparse_averaged_bits(54)  # §6: above dense fp16 from N = 54
 
     assert main(["--peers", "8", "--links-mbit", "100", "--inner-steps", "100"]) == 0
     printed = json.loads(capsys.readouterr().out)

@@ -13,7 +13,15 @@ import torch
 from template.allreduce.codecs import get_codec
 from template.allreduce.messages import AveragedSegment, MessageError
 from template.allreduce.reduction import OwnerRule, SegmentInput, reduce_segment, weight_cap
-from template.allreduce.verification import Directions, SegmentCheck, projections, round_context, segment_context
+from template.allreduce.terms import negated_average
+from template.allreduce.verification import (
+    Directions,
+    SegmentCheck,
+    kept_projections,
+    projections,
+    round_context,
+    segment_context,
+)
 
 CONTEXT = round_context("run", 7, b"\x01" * 20)
 CODECS = {"none": {}, "fp16": {}, "int8": {}, "sparse-all": {"mean_of": "all", "chunk": 64, "k": 8},
@@ -43,7 +51,8 @@ def averaged(codec, numel: int, inputs: list[torch.Tensor], weights: list[float]
     encoded = [SegmentInput(i, codec.encode(x), w) for i, (x, w) in enumerate(zip(inputs, weights, strict=True))]
     cap = weight_cap(weights)
     reduced = reduce_segment(encoded, numel, codec, weights, OwnerRule(), cap, segment_context(CONTEXT, segment))
-    message = AveragedSegment(reduced.data, reduced.included, reduced.weight, (), reduced.claims)
+    message = AveragedSegment(reduced.data, reduced.included, reduced.weight, (), reduced.claims,
+                              plain=reduced.plain, masked=reduced.masked)
     check = SegmentCheck(codec, CONTEXT, [min(w, cap) for w in weights])
     return message, codec.decode_average(reduced.data, numel), check
 
@@ -80,7 +89,7 @@ def test_an_owner_that_sends_the_negated_average_is_refuted(codec_name):
         codec = codec_of(codec_name, 4096)
         inputs = [values("normal", numel, generator) for _ in range(3)]
         message, decoded, check = averaged(codec, numel, inputs, [1.0, 1.0, 1.0], segment=trial)
-        lie = dataclasses.replace(message, data=codec.encode_average(-decoded))
+        lie = dataclasses.replace(message, data=negated_average(codec, message.data, decoded))
         why = refuted(check, trial, lie, codec.decode_average(lie.data, numel))
         assert "misses the owner's own claims" in why, (codec_name, trial)
         admitted = check.admit(0, trial, lie, numel)
@@ -175,7 +184,8 @@ def test_an_owner_checks_its_own_average_on_the_directions_its_claims_were_made_
     reduced = reduce_segment(encoded, 1024, codec, weights, OwnerRule(), 6.0, segment_context(CONTEXT, 3))
     assert reduced.drawn is not None and reduced.drawn.digest == hashlib.sha256(reduced.data).digest()
     check = SegmentCheck(codec, CONTEXT, weights)
-    honest = AveragedSegment(reduced.data, reduced.included, reduced.weight, (), reduced.claims)
+    honest = AveragedSegment(reduced.data, reduced.included, reduced.weight, (), reduced.claims,
+                             plain=reduced.plain, masked=reduced.masked)
     lie = dataclasses.replace(honest, claims=tuple(tuple(-c for c in claim) for claim in honest.claims))
     for message in (honest, lie):
         decoded = codec.decode_average(message.data, 1024)
@@ -186,17 +196,26 @@ def test_an_owner_checks_its_own_average_on_the_directions_its_claims_were_made_
 
 def test_a_sparse_vector_is_projected_at_its_nonzeros_to_the_same_value():
     """The sparse codec's segments (~1M values, a few % nonzero) are read at their nonzeros only; the projection is
-    the dense one, with and without the per-value scaling of a mean over the kept values."""
+    the dense one, and so are the three projections a mean over the kept values makes of each input."""
     generator = torch.Generator().manual_seed(6)
     drawn = Directions(segment_context(CONTEXT, 1), hashlib.sha256(b"a").digest(), 10_001, 2)
     sparse = torch.randn(10_001, generator=generator) * (torch.rand(10_001, generator=generator) < 0.05)
     dense = sparse + (sparse == 0) * 1e-30  # every value nonzero: the dense path, the same projection
     assert 0 < int(sparse.count_nonzero()) < 1000 and int(dense.count_nonzero()) == 10_001
     assert drawn.bits_at(torch.nonzero(sparse)[:, 0].numpy()).tolist() == drawn.bits()[:, sparse != 0].tolist()
-    kept = (torch.rand(10_001, generator=generator) + 0.5).double().numpy()
-    for scaling in (None, (kept, 3.0)):
-        at_nonzeros, whole = projections([sparse, dense], drawn, scaling)
-        assert at_nonzeros == pytest.approx(whole, rel=1e-12, abs=1e-12)
+    at_nonzeros, whole = projections([sparse, dense], drawn)
+    assert at_nonzeros == pytest.approx(whole, rel=1e-12, abs=1e-12)
+    # a mean over the kept values: each input's plain projection, the average's at its nonzeros and the input's
+    # scaled by W / K per value, all from one read of its nonzeros: the dense projections of the same vectors
+    kept = (torch.rand(10_001, generator=generator) + 0.5).double()
+    average = torch.randn(10_001, generator=generator)
+    plain, masked, scaled = kept_projections([sparse], average, drawn, (kept.numpy(), 3.0))
+    expected = projections([dense, torch.where(sparse != 0, average, 0.0) + (sparse == 0) * 1e-30,
+                            (dense.double() * 3.0 / kept).float()], drawn)
+    assert plain[0] == pytest.approx(expected[0], rel=1e-12, abs=1e-12)
+    assert masked[0] == pytest.approx(expected[1], rel=1e-12, abs=1e-12)
+    assert scaled[0] == pytest.approx(expected[2], rel=1e-6)  # the dense side rounds W / K · x to float32
+    assert kept_projections([sparse], average, drawn)[2] is None
 
 
 def test_claims_travel_in_the_averaged_segment_and_malformed_ones_are_refused():
