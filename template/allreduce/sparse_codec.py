@@ -273,7 +273,7 @@ class SparseCodec(SegmentCodec):
             raise CodecError("empty averaged segment")
         chunk, chunks = self._settings.chunk, -(-numel // self._settings.chunk)
         if (attributed := self.decode_attributed_average(data, numel)) is not None:
-            return attributed[0]
+            return attributed.values
         if data[0] == _TAG_DENSE:
             _expect_length(data, 1 + 2 * numel, "dense averaged segment")
             half = _read(data, "<f2", numel, 1)

@@ -153,32 +153,31 @@ class RoundTerms:
         wrong = self.codec.decode_average(data, numel)
         drawn = check.directions(segment, data, numel)
         fitted = tuple(float(p) for p in projections([wrong], drawn)[0])  # what every claim must sum to
+        inputs = [self.codec.decode(kept.accepted(s, segment), numel) for s in averaged.included]
         if not self.codec.mean_of_kept:
-            checked = self._forged(lie, averaged, segment, check, kept, wrong, drawn, fitted)
-            return dataclasses.replace(averaged, data=data, claims=checked)
+            return dataclasses.replace(averaged, data=data,
+                                       claims=self._forged(lie, averaged, check, inputs, wrong, drawn, fitted))
         # a mean over the kept values: the scaled claims (no sender checks them) fit the wrong average; the plain
         # ones are forged to fit the average's projections at the kept values, which are true for the wrong bytes
-        inputs = [self.codec.decode(kept.accepted(s, segment), numel) for s in averaged.included]
         masked = factored(kept_projections(inputs, wrong, drawn)[1])
         total = sum(check.weights[s] for s in averaged.included)
         target = tuple(sum(check.weights[s] / total * m[k] for s, m in zip(averaged.included, masked, strict=True))
                        for k in range(drawn.count))
-        plain = self._forged(lie, averaged, segment, check, kept, wrong, drawn, target)
+        plain = self._forged(lie, averaged, check, inputs, wrong, drawn, target)
         return dataclasses.replace(averaged, data=data, claims=tuple(fitted for _ in averaged.included), plain=plain,
                                    masked=masked)
 
-    def _forged(self, lie: str, averaged: AveragedSegment, segment: int, check: SegmentCheck, kept: InputKeeper,
+    def _forged(self, lie: str, averaged: AveragedSegment, check: SegmentCheck, inputs: Sequence[torch.Tensor],
                 wrong: torch.Tensor, drawn: Directions, target: tuple[float, ...]) -> tuple[tuple[float, ...], ...]:
-        """Claims (plain ones for a ``mean_of_kept`` codec) whose weighted sum is ``target``: forged, all equal to
-        it; forged-own, every one true on the wrong average's directions but one, which takes the whole lie — our own
-        input's, which no other member holds, when we are in the average; else the first sender's, which it
-        disputes."""
+        """Claims (plain ones for a ``mean_of_kept`` codec) whose weighted sum is ``target``, given the ``inputs``
+        averaged (decoded): forged, all equal to it; forged-own, every one true on the wrong average's directions
+        but one, which takes the whole lie — our own input's, which no other member holds, when we are in the
+        average; else the first sender's, which it disputes."""
         if lie == "forged":
             return tuple(target for _ in averaged.included)
         assert check.own is not None, "forged-own is an owner that sends"
-        claims = [list(true_statement(self.codec, check.own.rule, averaged, i,
-                                      self.codec.decode(kept.accepted(s, segment), wrong.numel()), drawn, wrong).claims)
-                  for i, s in enumerate(averaged.included)]
+        claims = [list(true_statement(self.codec, check.own.rule, averaged, i, x, drawn, wrong).claims)
+                  for i, x in enumerate(inputs)]
         position = averaged.included.index(check.own.sender) if check.own.sender in averaged.included else 0
         weights = [check.weights[s] for s in averaged.included]
         total = sum(weights)
