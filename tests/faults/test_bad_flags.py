@@ -99,7 +99,9 @@ def test_neurons_on_a_live_chain_refuse_bad_data_a_missing_permit_and_an_unreach
 
     mock = MockSubstrate()
     mock.create_subnet(1, tempo=100, serving_rate_limit=0)
-    for name in ("miner", "validator"):
+    # a hotkey per neuron that reaches the chain: two processes of one hotkey race for its nonce at startup (one
+    # run in many: "nonce 2 rejected: the account's next nonce is 3" ended the no-permit validator with a traceback)
+    for name in ("miner", "validator", "validator-no-permit"):
         wallet = create_wallet(name, "default", tmp_path / "wallets")
         mock.register(1, wallet.hotkey.ss58_address, wallet.coldkeypub.ss58_address, 0.0)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -118,7 +120,7 @@ def test_neurons_on_a_live_chain_refuse_bad_data_a_missing_permit_and_an_unreach
                                          "matches no file"),
             "validator: data path missing": (neuron("validator", "validator", server.url, "--neuron.allow_no_permit",
                                                     "--run.data", str(tmp_path / "x.txt")), "matches no file"),
-            "validator: no permit": (neuron("validator", "validator", server.url), "has no validator permit"),
+            "validator: no permit": (neuron("validator", "validator-no-permit", server.url), "has no validator permit"),
             "miner: chain unreachable": (neuron("miner", "miner", f"mock://127.0.0.1:{closed_port}"),
                                          "cannot reach the chain at mock://127.0.0.1:"),
         }
