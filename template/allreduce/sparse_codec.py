@@ -112,6 +112,12 @@ class SparseSettings:
     def density(self) -> float:
         return self.k / self.chunk
 
+    @property
+    def count_bytes(self) -> int:
+        """Bytes of each per-chunk, per-sender count of an attributed average: one while ``k`` < 256 (a sender
+        keeps at most ``k`` values of a chunk)."""
+        return 1 if self.k < 256 else 2
+
     def sum_bits_per_value(self, union_density: float, senders: int) -> float:
         """Bits per value of an averaged segment of ``senders`` whose chunks hold ``union_density`` × ``chunk``
         nonzeros (an index and an fp16 value each). ``mean_of`` "kept" (the default): the attributed form — a count
@@ -119,7 +125,7 @@ class SparseSettings:
         u16 count per chunk, or dense fp16 (16) when that is smaller."""
         entries = union_density * (self.index_bits + 16)
         if self.mean_of == "kept":
-            return senders * (8 if self.k < 256 else 16) / self.chunk + entries
+            return senders * 8 * self.count_bytes / self.chunk + entries
         return min(16.0, 16 / self.chunk + entries)
 
     def kept(self, numel: int) -> int:
@@ -343,7 +349,7 @@ class SparseCodec(SegmentCodec):
         if not 1 <= groups <= MAX_ATTRIBUTED_GROUPS:
             raise CodecError(f"an attributed averaged segment of {groups} senders")
         chunk, chunks = self._settings.chunk, -(-numel // self._settings.chunk)
-        width = np.dtype(self._count_dtype).itemsize
+        width = self._settings.count_bytes
         if len(data) < 3 + chunks * groups * width:
             raise CodecError(f"attributed averaged segment of {len(data)} bytes cannot hold its counts")
         counts = _read(data, self._count_dtype, chunks * groups, 3).to(torch.int64)
@@ -374,11 +380,11 @@ class SparseCodec(SegmentCodec):
 
     @property
     def _count_dtype(self) -> str:
-        return "<u1" if self._settings.k < 256 else "<u2"
+        return f"<u{self._settings.count_bytes}"
 
     def _attributed_size(self, chunks: int, groups: int, nonzeros: int) -> int:
-        return (3 + chunks * groups * np.dtype(self._count_dtype).itemsize
-                + _bitstream_bytes(nonzeros, self._settings.index_bits) + 2 * nonzeros)
+        return (3 + chunks * groups * self._settings.count_bytes + _bitstream_bytes(nonzeros, self._settings.index_bits)
+                + 2 * nonzeros)
 
     def _nonzero_counts(self, half: torch.Tensor) -> torch.Tensor:
         """How many fp16 values of each chunk are nonzero (NaN counts as nonzero), int64."""

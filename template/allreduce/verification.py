@@ -121,8 +121,14 @@ def projections(vectors: Sequence[torch.Tensor], directions: Directions) -> np.n
         else:
             whole = directions.bits() if whole is None else whole
             bits, values = whole, values.astype(np.float64)
-        row[:] = 2.0 * (bits @ values) - values.sum()
+        row[:] = _signed_sums(bits, values)
     return out
+
+
+def _signed_sums(bits: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """⟨v, z⟩ for z = 2b − 1, as 2⟨v, b⟩ − Σv: one product with the 0/1 bits as they come (count × n) and ``values``
+    (n, or n × columns: one result per column)."""
+    return 2.0 * (bits @ values) - values.sum(axis=0)
 
 
 def kept_projections(inputs: Sequence[torch.Tensor], average: torch.Tensor, directions: Directions,
@@ -141,7 +147,7 @@ def kept_projections(inputs: Sequence[torch.Tensor], average: torch.Tensor, dire
         if kept is not None:
             rows.append(rows[0] * (kept[1] / kept[0][positions]))
         stacked = np.stack(rows, axis=1)
-        sums = 2.0 * (bits @ stacked) - stacked.sum(axis=0)  # count × len(rows)
+        sums = _signed_sums(bits, stacked)  # count × len(rows)
         plain[i], masked[i] = sums[:, 0], sums[:, 1]
         if scaled is not None:
             scaled[i] = sums[:, 2]
