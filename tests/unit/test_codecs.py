@@ -305,8 +305,8 @@ def test_the_attributed_average_decoder_survives_single_byte_corruptions(numel, 
 
 def test_an_attributed_average_names_a_sender_that_kept_each_value_and_refuses_anything_else():
     """The form a mean over the kept values travels in (template.allreduce.verification): each nonzero listed under
-    one sender; the same values and names come back, and a count above k, a value listed under two senders, an
-    explicit zero, a name past the senders or a nonzero named for nobody are refused."""
+    one sender; the same values and names come back, and a nonzero named for nobody (encoding), a count above k, a
+    value listed under two senders, an explicit zero or trailing bytes (decoding) are refused."""
     codec = get_codec("sparse", chunk=64, k=4, bits=2, segment_values=256)
     data, mean, keepers = attributed(codec, 250, 3, seed=7)
     decoded = codec.decode_attributed_average(data, 250)
