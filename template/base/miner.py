@@ -94,9 +94,8 @@ class Miner:
 
     def run(self) -> int:
         """Rounds until stopped or ``--neuron.max_rounds``; returns how many rounds ran."""
-        if self.ctx is not None:
-            self.ctx.join_peers(self._directory)
-        source = self.peer.restore(peer_timeout_s=5.0)  # every rank: the leader's state reaches all of them
+        wait_s = self.ctx.join_for_state(self._directory) if self.ctx is not None else 0.0  # other ranks: no DHT
+        source = self.peer.restore(peer_timeout_s=wait_s)  # every rank: the leader's state reaches all of them
         target = 0
         if self.ctx is not None:
             now = self.ctx.clock.now()

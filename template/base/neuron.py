@@ -162,6 +162,7 @@ class RoundTime:
 
 # The all-reduce gets at least this many seconds on each side of the round's last block.
 MIN_ALLREDUCE_GRACE_S = 2.0
+PEER_STATE_TIMEOUT_S = 5.0  # how long a starting neuron that reached live peers waits for one's state
 
 
 def allreduce_grace(round_s: float, allreduce_fraction: float) -> float:
@@ -288,7 +289,14 @@ class NeuronContext:
 
     def join_peers(self, directory: PeerDirectory) -> int:
         """Dial the neurons the chain lists (axon + PeerID), so neurons that started together find each other."""
-        return connect_peers(self.dht, directory.bootstrap_maddrs(exclude_peer_id=str(self.dht.peer_id)))
+        return connect_peers(self.dht, directory.bootstrap_maddrs(exclude_peer_id=str(self.dht.peer_id),
+                                                                  exclude_hotkey=self.hotkey))
+
+    def join_for_state(self, directory: PeerDirectory) -> float:
+        """Dial the chain's neurons before restoring; how long to wait for a live peer's state: none when none
+        answered. A neuron alone (the first of a run, or restarted while the others are down) has nobody to download
+        from, and waited the whole timeout at every start for it."""
+        return PEER_STATE_TIMEOUT_S if self.join_peers(directory) else 0.0
 
     def emit(self, event: str, **fields: Any) -> None:
         """One JSON line in ``--neuron.events_file`` (nothing without it), and the same event to the dashboard."""
@@ -317,7 +325,7 @@ def start_neuron(config: NeuronConfig, stop: StopFlag) -> NeuronContext:
     graph = chain.metagraph()
     uid = chain.require_uid(wallet.hotkey.ss58_address, graph)
     directory = peer_directory(graph)
-    bootstrap = directory.bootstrap_maddrs()
+    bootstrap = directory.bootstrap_maddrs(exclude_hotkey=wallet.hotkey.ss58_address)  # not our previous run
     log.info("uid %d on netuid %d; bootstrapping from %d peers", uid, config.chain.netuid, len(bootstrap))
     axon = config.axon
     external_ip = axon.external_ip or axon.ip

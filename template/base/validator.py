@@ -142,8 +142,7 @@ class Validator:
 
     def run(self) -> int:
         """Rounds until stopped or ``--neuron.max_rounds``; returns how many rounds ran."""
-        self.ctx.join_peers(self.directory)
-        source = self.peer.restore(peer_timeout_s=5.0)
+        source = self.peer.restore(peer_timeout_s=self.ctx.join_for_state(self.directory))
         clock = self.ctx.clock
         now = clock.now()
         log.info("validator uid %d (%s) ready: state from %s, %d miners scored before, chain round %d",

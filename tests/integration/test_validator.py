@@ -164,6 +164,8 @@ def test_weights_reach_the_chain_and_become_incentive(network):
 def test_a_restarted_validator_keeps_its_scores(network):
     before = network["before_kill"]
     assert network["restarted"]["scores_restored"] == len(before.miners) > 0
+    # it reached the live miners (not its own previous run, which the chain still listed) and took their state
+    assert network["restarted"]["restored"].startswith("peer state"), network["restarted"]
     # the first round scored after the restart continued from the saved averages, not from zero
     after_restart = network["scored_after_restart"][0]
     assert after_restart["round"] > before.last_round
