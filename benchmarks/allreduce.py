@@ -15,11 +15,11 @@ per peer/rank on 127.0.0.1:
 
 Reported per (peers, size, codec): median time of the repeats and its ratio to gloo's float32 time, the max
 abs error of the result vs the exact (float64) mean (gloo) or the exact mean the owners' rule takes (hivemind: from
-8 senders each owner leaves its own input out of its segments), whether all peers hold bit-identical results, and
-the bytes each peer sent vs the butterfly/ring bound 2(N−1)/N × size × 4 bytes. Each codec runs at its own
-``segment_values`` (the product's: 131,072 for the dense codecs, 1,048,576 for sparse). A short sweep of the codec's
-``segment_values`` (the unit of the butterfly) is run for the default codec on the largest default config below
-50M values.
+6 senders, ``OwnerRule.own_input_min_senders``, each owner leaves its own input out of its segments), whether all
+peers hold bit-identical results, and the bytes each peer sent vs the butterfly/ring bound 2(N−1)/N × size × 4
+bytes. Each codec runs at its own ``segment_values`` (the product's: 131,072 for the dense codecs, 1,048,576 for
+sparse). A short sweep of the codec's ``segment_values`` (the unit of the butterfly) is run for the default codec on
+the largest default config below 50M values.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class AveragingConfig:
     confirmation_time: float = 3.0  # how long members wait for each other's confirmation after the all-reduce
     norm_clip_multiple: float | None = 3.0  # None or 0: no norm clipping (validation still applies)
     value_bound_multiple: float | None = 3.0  # None or 0: no bound on single values (reduction.OwnerRule)
-    own_input_min_senders: int = 8  # from this many senders an owner averages without its own input; 0: never
+    own_input_min_senders: int = 6  # from this many senders an owner averages without its own input; 0: never
     auxiliary: bool = False  # validators: contribute nothing, receive the average
     # per-peer allowances of the handlers anyone who reaches our host may call (a peer sends a few join requests
     # per round and downloads our state when it (re)joins; a flood beyond these is refused)

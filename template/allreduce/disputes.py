@@ -18,8 +18,8 @@ segment from (:func:`template.base.audit.audit_allreduce`): the owner when its s
 it was true — a sender cannot frame an owner, only lose its pay (and that segment's step) trying.
 
 What it leaves: the owner's own input, which no other member holds, can still absorb a lie — unless the rule leaves
-it out of its own segment (:attr:`template.allreduce.reduction.OwnerRule.own_input_min_senders`: from 8 senders,
-where it costs ≤ 0.5 % of held-out loss, docs/benchmarks.md §10); then every claim of the average is checked by
+it out of its own segment (:attr:`template.allreduce.reduction.OwnerRule.own_input_min_senders`: from 6 senders,
+where it costs < 1 % of held-out loss, docs/benchmarks.md §10); then every claim of the average is checked by
 the one that holds the input. For codecs that average over the senders that kept each value (``mean_of_kept``),
 where each input's weight per value depends on who else kept it (known only to the owner), a sender also checks
 the average's projections at the values it kept and that the average names it only for values it kept

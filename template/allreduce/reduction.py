@@ -63,9 +63,10 @@ class OwnerRule:
     norm_clip_multiple: float | None = 3.0
     value_bound_multiple: float | None = 3.0
     # from this many senders in a group, an owner leaves its own input out of its segments' averages, so that every
-    # input of an average is checked by its sender (template.allreduce.disputes); 0: never. 8: where dropping 1/N of
-    # each segment's inputs costs ≤ 0.5 % of held-out loss (docs/benchmarks.md §10; 4 % at 3 senders)
-    own_input_min_senders: int = 8
+    # input of an average is checked by its sender (template.allreduce.disputes); 0: never. 6: the smallest group
+    # where dropping 1/N of each segment's inputs costs < 1 % of held-out loss (docs/benchmarks.md §10: +0.6 % and
+    # +0.85 % at 6 senders, +1.2–1.7 % at 4, +4 % at 3)
+    own_input_min_senders: int = 6
 
     def __post_init__(self) -> None:
         for name in ("norm_clip_multiple", "value_bound_multiple"):

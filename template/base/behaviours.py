@@ -351,7 +351,8 @@ class Framer(MinerBehaviour):
 
 class ForgingLiarReducer(MinerBehaviour):
     """As an owner, returns the negated average to every member with every claim true but one, forged to fit: its own
-    input's (which no other member holds) below 8 senders, another sender's from there (which that sender disputes)."""
+    input's (which no other member holds) below 6 senders (``OwnerRule.own_input_min_senders``), another sender's from
+    there (which that sender disputes)."""
 
     name = "liar-reducer-forged"
     allreduce_faults = AllReduceFaults(lie="forged-own")

@@ -2,10 +2,10 @@
 
 Eight DHT nodes and eight averagers (each its own process with its own p2p daemon) on this machine; all eight must
 land in one group, and every peer must end with the same bytes, equal to the token-weighted mean the owners' rule
-takes within the codec's error: with 8 senders (``OwnerRule.own_input_min_senders``) each owner averages its segments
+takes within the codec's error: with 8 senders (≥ ``OwnerRule.own_input_min_senders``) each owner averages its segments
 without its own input, so that every input of an average has a sender that checks its claim. One of the eight returns
 the negated average of its segments with every claim true but one, forged to fit (``AllReduceFaults(lie=
-"forged-own")``: below 8 senders its own input's claim takes the lie and passes; here it must be another sender's):
+"forged-own")``: below 6 senders its own input's claim takes the lie and passes; here it must be another sender's):
 that sender disputes it, and every peer writes the liar's segments as zeros. The time of the all-reduce itself is
 printed (``-s``) for docs/reliability.md.
 """
