@@ -162,7 +162,8 @@ class RoundTime:
 
 # The all-reduce gets at least this many seconds on each side of the round's last block.
 MIN_ALLREDUCE_GRACE_S = 2.0
-PEER_STATE_TIMEOUT_S = 5.0  # how long a starting neuron that reached live peers waits for one's state
+# How long a starting neuron that reached live peers waits for one's state (NeuronContext.join_for_state).
+PEER_STATE_TIMEOUT_S = 5.0
 
 
 def allreduce_grace(round_s: float, allreduce_fraction: float) -> float:
