@@ -290,8 +290,7 @@ class NeuronContext:
 
     def join_peers(self, directory: PeerDirectory) -> int:
         """Dial the neurons the chain lists (axon + PeerID), so neurons that started together find each other."""
-        return connect_peers(self.dht, directory.bootstrap_maddrs(exclude_peer_id=str(self.dht.peer_id),
-                                                                  exclude_hotkey=self.hotkey))
+        return connect_peers(self.dht, directory.bootstrap_maddrs(exclude_hotkey=self.hotkey))
 
     def join_for_state(self, directory: PeerDirectory) -> float:
         """Dial the chain's neurons before restoring; how long to wait for a live peer's state: none when none

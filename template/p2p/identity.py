@@ -117,17 +117,18 @@ class PeerDirectory:
     def __len__(self) -> int:
         return len(self._by_peer)
 
-    def bootstrap_maddrs(self, exclude_peer_id: str | None = None, exclude_hotkey: str | None = None) -> list[str]:
+    def bootstrap_maddrs(self, exclude_hotkey: str | None = None) -> list[str]:
         """``/ip4/IP/tcp/PORT/p2p/PEERID`` (or ``/ip6/...``) for every neuron that serves an axon, sorted by uid.
 
         A miner serves its hivemind listen address as its axon, so these are DHT bootstrap peers straight from the
         chain. Axons that do not parse as ``ip:port`` with a usable address are skipped. A neuron leaves out its own
         hotkey: until it commits its new PeerID, the chain still shows the axon of its previous run, which no longer
-        answers (dialling it cost a restarted neuron that was alone ~4 s of failed DHT starts).
+        answers (dialling it cost a restarted neuron that was alone ~4 s of failed DHT starts), and once it has, the
+        record is itself (a PeerID that two hotkeys claim is in no directory).
         """
         maddrs = []
         for record in sorted(self, key=lambda r: r.uid):
-            if record.axon is None or record.peer_id == exclude_peer_id or record.hotkey == exclude_hotkey:
+            if record.axon is None or record.hotkey == exclude_hotkey:
                 continue
             endpoint = _parse_axon(record.axon)
             if endpoint is None:
